@@ -1,0 +1,103 @@
+"""Olmo 3 7B stage 1, exactly as Ai2 ran it with OLMo-core.
+
+Sources: OLMo-core `src/scripts/official/OLMo-3-1025-7B-pretrain-1.py` / `-2.py`
+(recipe), HF `allenai/Olmo-3-1025-7B` config.json (architecture). Every field
+below names its source; see ../shared/reference/OLMO3.md for the numbers.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def model_config() -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  m.vocab_size = 100352  # OLMo-core: tokenizer vocab 100278 padded to a multiple of 128
+  m.num_layers = 32  # HF num_hidden_layers
+  m.d_model = 4096  # HF hidden_size
+  m.num_heads = 32  # HF num_attention_heads
+  m.num_kv_heads = 32  # HF num_key_value_heads (MHA)
+  m.head_dim = 128  # d_model / num_heads
+  m.mlp_hidden = 11008  # HF intermediate_size (SwiGLU)
+  m.norm_eps = 1e-6  # HF rms_norm_eps
+  m.rope_theta = 500_000.0  # HF rope_theta
+  # One scan group = one period of this pattern; 'S' sliding, 'F' full.
+  m.layer_pattern = 'SSSF'  # HF layer_types: full when i % 4 == 3
+  m.sliding_window = 4096  # HF sliding_window: query i sees keys (i-W, i]
+  m.sliding_window_plus_one = False  # knob: OLMo-core before Aug-2025 let i see (i-W-1, i]
+  m.yarn = ml_collections.ConfigDict()  # long-context checkpoints only; full layers only
+  m.yarn.enabled = False  # stage 1/2: plain RoPE on every layer
+  m.yarn.factor = 8.0  # HF rope_scaling.factor (Olmo-3 long-context)
+  m.yarn.original_max_position = 8192  # HF rope_scaling.original_max_position_embeddings
+  m.yarn.beta_fast = 32.0  # HF rope_scaling.beta_fast
+  m.yarn.beta_slow = 1.0  # HF rope_scaling.beta_slow
+  m.yarn.attention_factor = config_dict.placeholder(float)  # None: 0.1*ln(factor)+1
+  m.init_std = 0.02  # OLMo-core InitMethod.normal: std 0.02 ...
+  m.init_cutoff = 0.06  # ... truncated at +-3 std, no depth scaling
+  m.param_dtype = 'float32'  # OLMo-core FSDP: fp32 master weights
+  m.dtype = 'bfloat16'  # OLMo-core FSDP mixed precision: bf16 compute
+  m.remat = 'full'  # none | full | save_dots: see model.REMAT_POLICIES
+  m.attention_impl = 'xla'  # xla | pallas | cudnn: see model.attention
+  m.attention_block_q = config_dict.placeholder(int)  # kernel block sizes; None: kernels' table
+  m.attention_block_kv = config_dict.placeholder(int)
+  return m
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = model_config()
+
+  c.data = ml_collections.ConfigDict()
+  c.data.mix_file = ''  # OLMo-core DataMix.OLMo_mix_0925 list (label,path lines)
+  c.data.base_dir = ''  # root the mix file's relative paths are resolved against
+  c.data.paths = ()  # alternative to mix_file: explicit token files, in order
+  c.data.tokenizer_id = 'allenai/dolma2-tokenizer'  # substituted for {TOKENIZER}
+  c.data.vocab_size = 100278  # dolma2 tokenizer
+  c.data.eos_token_id = 100257  # dolma2 tokenizer
+  c.data.pad_token_id = 100277  # dolma2 tokenizer
+  c.data.seq_len = 8192  # OLMo-core pretrain-1: sequence_length
+  c.data.global_batch_size = 512  # OLMo-core pretrain-1: 512 x 8192 = 4,194,304 tokens
+  c.data.seed = 34521  # OLMo-core pretrain-1: data seed (epoch 1 uses PCG64(seed+1))
+  c.data.repetition_filter = False  # Ai2 did not filter for Olmo 3 7B (MaxText did)
+  c.data.document_masking = False  # stages 1-2 attend across documents
+  c.data.cache_dir = ''  # where the global permutation is cached; '' -> <workdir>/data_cache
+  c.data.prefetch = 2  # batches prepared ahead by the background thread
+  c.data.validation_paths = ()  # held-out token files (e.g. C4-en validation)
+  c.data.validation_batches = 8  # fixed held-out batches per in-loop eval
+
+  c.opt = ml_collections.ConfigDict()
+  c.opt.lr = 3e-4  # OLMo-core pretrain-1
+  c.opt.b1 = 0.9  # OLMo-core pretrain-1
+  c.opt.b2 = 0.95  # OLMo-core pretrain-1
+  c.opt.eps = 1e-8  # OLMo-core pretrain-1
+  c.opt.weight_decay = 0.1  # OLMo-core pretrain-1, decoupled
+  c.opt.no_decay = ('embed/.*',)  # OLMo-core: only embeddings excluded from decay
+  c.opt.clip_grad_norm = 1.0  # OLMo-core pretrain-1: max_grad_norm
+  c.opt.z_loss = 1e-5  # OLMo-core pretrain-1: z_loss_multiplier
+  c.opt.loss_chunk = 1024  # tokens per logits chunk in the loss (memory, not math)
+  c.opt.schedule = 'olmo3_stitched'  # olmo3_stitched | cosine | single_cosine | linear
+  c.opt.warmup_steps = 2000  # OLMo-core pretrain-1: CosWithWarmup(warmup=2000)
+  c.opt.final_lr = 3e-5  # OLMo-core pretrain-1: alpha_f = 0.1
+  c.opt.t_max = 1_192_093  # OLMo-core pretrain-1: cosine horizon (part 1)
+  c.opt.part2_start = 596_047  # OLMo-core pretrain-2: resumed from this step
+  c.opt.part2_warmup = 597_046  # OLMo-core pretrain-2: HalfCosWithWarmup warmup
+  c.opt.part2_t_max = 1_668_931  # OLMo-core pretrain-2: t_max
+  c.opt.skip_step = True  # OLMo-core SkipStepAdamW
+  c.opt.skip_window = 128  # OLMo-core SkipStepOptimizer rolling_interval_length
+  c.opt.skip_sigma = 6.0  # OLMo-core SkipStepOptimizer sigma_factor
+  c.opt.skip_nonfinite = True  # ours: a NaN/inf loss or norm skips and stays out of the history
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1_413_814  # one epoch of the stage-1 mix (N // 512)
+  c.train.seed = 0  # parameter init (unused when starting from a converted checkpoint)
+  c.train.init_from = ''  # checkpoint or HF directory for the step-0 weights
+  c.train.micro_batch_size = 1  # instances per device per micro-batch (sets grad accumulation)
+  c.train.mesh_data = 1  # data-parallel replicas (params replicated across them)
+  c.train.mesh_fsdp = -1  # FSDP shards; -1 = all remaining devices
+  c.train.mesh_tensor = 1  # tensor-parallel axis
+  c.train.log_every = 10  # OLMo-core: metrics every 10 steps
+  c.train.ckpt_every = 1000  # OLMo-core pretrain-1: save_interval
+  c.train.keep_last = 3  # committed checkpoints kept besides keep_every ones
+  c.train.keep_every = 10_000  # permanently kept checkpoints (0 = none)
+  c.train.eval_every = 1000  # held-out loss cadence (0 = never)
+  c.train.peak_flops = config_dict.placeholder(float)  # per-device peak override for MFU
+  return c
