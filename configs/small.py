@@ -1,0 +1,55 @@
+"""A small Olmo 3 for CPU: the README's main job on the embedded Shakespeare corpus.
+
+Same architecture and recipe shape as configs/olmo3_7b.py (reordered norms,
+QK-norm, 3:1 sliding/full, AdamW + skip-step, z-loss), shrunk to train in a
+few minutes on two CPU cores.
+"""
+
+import os
+
+import ml_collections
+
+from configs import olmo3_7b
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data')
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = olmo3_7b.get_config()
+  m = c.model
+  m.vocab_size = 8192  # embedded tokenizer (data/tokenizer.json), padded to a multiple of 128
+  m.num_layers = 4  # one scan group of the 3:1 pattern
+  m.d_model = 256
+  m.num_heads = 4
+  m.num_kv_heads = 4
+  m.head_dim = 64
+  m.mlp_hidden = 768
+  m.sliding_window = 64  # smaller than seq_len so the window matters
+  m.dtype = 'float32'  # CPUs have no fast bf16 matmul
+  m.remat = 'none'  # activations are small; recompute would only cost time
+
+  d = c.data
+  d.paths = (os.path.join(DATA_DIR, 'shakespeare_train.bin'),)
+  d.validation_paths = (os.path.join(DATA_DIR, 'shakespeare_val.bin'),)
+  d.vocab_size = 8192  # embedded tokenizer
+  d.eos_token_id = 0  # embedded tokenizer's <|endoftext|>
+  d.pad_token_id = 1  # embedded tokenizer's <|pad|>
+  d.seq_len = 256
+  d.global_batch_size = 16
+  d.seed = 34521  # same data seed as the 7B recipe
+
+  o = c.opt
+  o.lr = 3e-3  # small models tolerate (and need) a larger LR
+  o.schedule = 'cosine'
+  o.warmup_steps = 50
+  o.t_max = 600
+  o.final_lr = 3e-4
+
+  t = c.train
+  t.steps = 600
+  t.micro_batch_size = 16
+  t.log_every = 20
+  t.ckpt_every = 200
+  t.keep_every = 0
+  t.eval_every = 200
+  return c

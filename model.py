@@ -1,0 +1,384 @@
+"""The Olmo 3 transformer as one pure Haiku function.
+
+Architecture facts: ../shared/reference/OLMO3.md §1 (HF `modeling_olmo3.py`,
+OLMo-core `ReorderedNormTransformerBlock`). Reading order: norms, RoPE,
+attention, one block, the scanned stack, then parameter and FLOP counts.
+
+Shapes: B batch, T time (queries), S time (keys), D d_model, H query heads,
+G kv heads, R = H // G queries per kv head, K head_dim, F mlp hidden, V vocab,
+L layers, P layers per pattern period, N = L // P scan groups.
+
+Parameters (the checkpoint format; layer i is row i of every [L, ...] array):
+  embed/embedding      [V, D]
+  attention/w_q        [L, D, H*K]     attention/q_norm  [L, H*K]
+  attention/w_k        [L, D, G*K]     attention/k_norm  [L, G*K]
+  attention/w_v        [L, D, G*K]
+  attention/w_o        [L, H*K, D]
+  attention_norm/scale [L, D]          (applied to the attention output)
+  mlp/w_gate           [L, D, F]       mlp/w_up [L, D, F]   mlp/w_down [L, F, D]
+  mlp_norm/scale       [L, D]          (applied to the MLP output)
+  final_norm/scale     [D]
+  lm_head/w            [D, V]
+Weights are stored [in, out] (HF stores [out, in]; convert.py transposes).
+"""
+
+import math
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+Params = dict[str, dict[str, jax.Array]]
+
+# Which activations a remat'd scan group keeps for the backward pass. 'full'
+# recomputes everything but the group's input; the save-lists keep the named
+# tensors (see checkpoint_name calls in `_block`), as MaxText's policies do.
+REMAT_POLICIES: dict[str, Any] = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'save_qkv': jax.checkpoint_policies.save_only_these_names(
+        'query', 'key', 'value'),
+    'save_qkv_attn': jax.checkpoint_policies.save_only_these_names(
+        'query', 'key', 'value', 'attention_out'),
+    'save_proj': jax.checkpoint_policies.save_only_these_names(
+        'query', 'key', 'value', 'attention_out', 'mlp_gate', 'mlp_up'),
+}
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the field when the model config is inconsistent."""
+  problems = []
+  if cfg.num_heads % cfg.num_kv_heads:
+    problems.append(f'num_heads={cfg.num_heads} is not a multiple of '
+                    f'num_kv_heads={cfg.num_kv_heads}')
+  if not cfg.layer_pattern or set(cfg.layer_pattern) - {'S', 'F'}:
+    problems.append(f"layer_pattern={cfg.layer_pattern!r} must be a non-empty "
+                    "string of 'S' (sliding) and 'F' (full)")
+  elif cfg.num_layers % len(cfg.layer_pattern):
+    problems.append(f'num_layers={cfg.num_layers} is not a multiple of the '
+                    f'layer_pattern period {len(cfg.layer_pattern)}')
+  if cfg.head_dim % 2:
+    problems.append(f'head_dim={cfg.head_dim} must be even for RoPE')
+  if 'S' in cfg.layer_pattern and cfg.sliding_window < 1:
+    problems.append(f'sliding_window={cfg.sliding_window} must be >= 1')
+  if cfg.remat not in REMAT_POLICIES:
+    problems.append(f'remat={cfg.remat!r} is not one of {sorted(REMAT_POLICIES)}')
+  if cfg.attention_impl not in ('xla', 'pallas', 'cudnn'):
+    problems.append(f"attention_impl={cfg.attention_impl!r} is not one of "
+                    "'xla', 'pallas', 'cudnn'")
+  for field in ('vocab_size', 'num_layers', 'd_model', 'num_heads',
+                'num_kv_heads', 'head_dim', 'mlp_hidden'):
+    if cfg[field] < 1:
+      problems.append(f'{field}={cfg[field]} must be >= 1')
+  if problems:
+    raise ValueError('Invalid model config: ' + '; '.join(problems) +
+                     '. Fix the config (or the --config.model.* overrides).')
+
+
+def layer_window(cfg: ml_collections.ConfigDict, layer: int) -> int | None:
+  """Keys a query of `layer` may see (itself included); None means all earlier."""
+  if cfg.layer_pattern[layer % len(cfg.layer_pattern)] == 'F':
+    return None
+  # Olmo 3 (HF, OLMo-core after Aug 2025): query i sees (i-W, i]. The knob
+  # reproduces OLMo-core's earlier (i-W-1, i], which most of stage 1 used.
+  return cfg.sliding_window + int(cfg.sliding_window_plus_one)
+
+
+# --- Norms and rotary embeddings -------------------------------------------
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in float32 with HF/OLMo-core's order: scale the normalised value, then cast."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  # The weight is in compute dtype in the reference (bf16 params under FSDP
+  # mixed precision), so round it the same way before the float32 product.
+  return (scale.astype(x.dtype).astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ml_collections.ConfigDict, full_layer: bool
+                     ) -> tuple[np.ndarray, float]:
+  """Inverse frequencies [K/2] (float32) and the cos/sin multiplier.
+
+  YaRN applies to full-attention layers only (HF Olmo3 `rope_parameters`
+  per layer type; transformers 5.0-5.12 wrongly applied it to all layers).
+  """
+  k = cfg.head_dim
+  pos_freqs = cfg.rope_theta ** (np.arange(0, k, 2, dtype=np.float32) / k)
+  inv_freq = (1.0 / pos_freqs).astype(np.float32)
+  if not (full_layer and cfg.yarn.enabled):
+    return inv_freq, 1.0
+  y = cfg.yarn
+  factor = y.factor
+  attention_factor = y.attention_factor
+  if attention_factor is None:
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+  def correction_dim(rotations: float) -> float:
+    return (k * math.log(y.original_max_position / (rotations * 2 * math.pi))
+            ) / (2 * math.log(cfg.rope_theta))
+
+  # HF `_compute_yarn_parameters` with truncate=True: integer ramp bounds.
+  low = max(math.floor(correction_dim(y.beta_fast)), 0)
+  high = min(math.ceil(correction_dim(y.beta_slow)), k - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(k // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = (1 - ramp).astype(np.float32)
+  interpolation_freq = (1.0 / (factor * pos_freqs)).astype(np.float32)
+  inv_freq = interpolation_freq * (1 - extrapolation) + inv_freq * extrapolation
+  return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scale: float
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin tables [B, T, K] in float32 for the half-split layout."""
+  freqs_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  angles_BTK = jnp.concatenate([freqs_BTk, freqs_BTk], axis=-1)
+  return jnp.cos(angles_BTK) * scale, jnp.sin(angles_BTK) * scale
+
+
+def apply_rope(x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
+  """Half-split ("rotate_half") RoPE computed in float32, cast back."""
+  x = x_BTHK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos, sin = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
+  return (x * cos + rotated * sin).astype(x_BTHK.dtype)
+
+
+# --- Attention ---------------------------------------------------------------
+
+
+def attention_mask(t: int, s: int, window: int | None,
+                   segment_ids_BT: jax.Array | None) -> jax.Array:
+  """Boolean [B|1, T, S] mask: causal, banded by `window`, within documents."""
+  q_T1 = jnp.arange(t)[:, None] + (s - t)
+  k_1S = jnp.arange(s)[None, :]
+  mask_TS = k_1S <= q_T1
+  if window is not None:
+    mask_TS &= k_1S > q_T1 - window
+  mask_BTS = mask_TS[None]
+  if segment_ids_BT is not None:
+    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+  return mask_BTS
+
+
+def xla_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
+                  window: int | None, segment_ids_BT: jax.Array | None = None
+                  ) -> jax.Array:
+  """Reference attention: float32 softmax, probabilities cast to the input dtype (HF eager)."""
+  b, t, h, k = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
+  logits_BGRTS = jnp.einsum('btgrk,bsgk->bgrts', q_BTGRK, k_BSGK,
+                            preferred_element_type=jnp.float32) * k ** -0.5
+  mask_BTS = attention_mask(t, k_BSGK.shape[1], window, segment_ids_BT)
+  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, -jnp.inf)
+  probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(q_BTHK.dtype)
+  out_BTGRK = jnp.einsum('bgrts,bsgk->btgrk', probs_BGRTS, v_BSGK)
+  return out_BTGRK.reshape(b, t, h, k)
+
+
+def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
+              window: int | None, segment_ids_BT: jax.Array | None,
+              cfg: ml_collections.ConfigDict) -> jax.Array:
+  """The one attention entry point; `cfg.attention_impl` picks the implementation."""
+  if cfg.attention_impl == 'xla':
+    return xla_attention(q_BTHK, k_BSGK, v_BSGK, window=window,
+                         segment_ids_BT=segment_ids_BT)
+  if cfg.attention_impl == 'pallas':
+    from kernels import flash_attention  # Only TPU runs (and kernel tests) need Pallas.
+    return flash_attention.flash_attention(
+        q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT,
+        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
+  if cfg.attention_impl == 'cudnn':
+    if segment_ids_BT is not None:
+      raise NotImplementedError(
+          "attention_impl='cudnn' does not take segment ids here; use 'xla' or "
+          "'pallas' with data.document_masking")
+    # local_window_size=(left, right) keys; ours is W keys including the query.
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q_BTHK, k_BSGK, v_BSGK, is_causal=True, local_window_size=local,
+        implementation='cudnn')
+  raise ValueError(f'Unknown attention_impl {cfg.attention_impl!r}')
+
+
+# --- The block and the stack ------------------------------------------------
+
+
+def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
+           rope: tuple[jax.Array, jax.Array], segment_ids_BT: jax.Array | None,
+           cfg: ml_collections.ConfigDict) -> jax.Array:
+  """One reordered-norm block: h = x + norm(attn(x)); y = h + norm(mlp(h))."""
+  dtype = x_BTD.dtype
+  b, t, _ = x_BTD.shape
+  w = {name: value.astype(dtype) for name, value in p.items()}
+
+  # QK-norm over the whole projection, before splitting into heads and RoPE.
+  q = rms_norm(x_BTD @ w['w_q'], p['q_norm'], cfg.norm_eps)
+  k = rms_norm(x_BTD @ w['w_k'], p['k_norm'], cfg.norm_eps)
+  v = x_BTD @ w['w_v']
+  q_BTHK = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), *rope)
+  k_BTGK = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), *rope)
+  v_BTGK = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  q_BTHK = checkpoint_name(q_BTHK, 'query')
+  k_BTGK = checkpoint_name(k_BTGK, 'key')
+  v_BTGK = checkpoint_name(v_BTGK, 'value')
+  o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, window=window,
+                     segment_ids_BT=segment_ids_BT, cfg=cfg)
+  o_BTHK = checkpoint_name(o_BTHK, 'attention_out')
+  attn_BTD = o_BTHK.reshape(b, t, -1) @ w['w_o']
+  h_BTD = x_BTD + rms_norm(attn_BTD, p['attention_norm'], cfg.norm_eps)
+
+  gate_BTF = checkpoint_name(h_BTD @ w['w_gate'], 'mlp_gate')
+  up_BTF = checkpoint_name(h_BTD @ w['w_up'], 'mlp_up')
+  mlp_BTD = (jax.nn.silu(gate_BTF) * up_BTF) @ w['w_down']
+  return h_BTD + rms_norm(mlp_BTD, p['mlp_norm'], cfg.norm_eps)
+
+
+def _trunc_normal(cfg: ml_collections.ConfigDict) -> hk.initializers.Initializer:
+  """OLMo-core init: normal(0, std) truncated at +-cutoff, no depth scaling."""
+  bound = cfg.init_cutoff / cfg.init_std
+
+  def init(shape, dtype):
+    return cfg.init_std * jax.random.truncated_normal(
+        hk.next_rng_key(), -bound, bound, shape, dtype)
+  return init
+
+
+def _layer_params(cfg: ml_collections.ConfigDict) -> dict[str, jax.Array]:
+  """Creates (init) or fetches (apply) the [L, ...] stacked layer weights."""
+  L, D, F = cfg.num_layers, cfg.d_model, cfg.mlp_hidden
+  HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  dtype = jnp.dtype(cfg.param_dtype)
+  normal, ones = _trunc_normal(cfg), jnp.ones
+  shapes = {
+      'attention': {'w_q': (D, HK), 'w_k': (D, GK), 'w_v': (D, GK),
+                    'w_o': (HK, D), 'q_norm': (HK,), 'k_norm': (GK,)},
+      'attention_norm': {'scale': (D,)},
+      'mlp': {'w_gate': (D, F), 'w_up': (D, F), 'w_down': (F, D)},
+      'mlp_norm': {'scale': (D,)},
+  }
+  layer = {}
+  for module, params in shapes.items():
+    with hk.name_scope(module):
+      for name, shape in params.items():
+        init = ones if name.endswith('norm') or name == 'scale' else normal
+        key = module if name == 'scale' else name
+        layer[key] = hk.get_parameter(name, (L, *shape), dtype, init=init)
+  return layer
+
+
+def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
+             positions_BT: jax.Array | None, cfg: ml_collections.ConfigDict
+             ) -> jax.Array:
+  dtype = jnp.dtype(cfg.dtype)
+  with hk.name_scope('embed'):
+    embedding_VD = hk.get_parameter(
+        'embedding', (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype),
+        init=_trunc_normal(cfg))
+  x_BTD = jnp.take(embedding_VD, tokens_BT, axis=0).astype(dtype)
+  layer = _layer_params(cfg)
+
+  b, t = tokens_BT.shape
+  if positions_BT is None:
+    positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+  period = len(cfg.layer_pattern)
+  ropes = {kind: rope_tables(positions_BT, *rope_frequencies(cfg, kind == 'F'))
+           for kind in set(cfg.layer_pattern)}
+
+  def group(x_BTD, group_params):
+    """One period of the layer pattern (e.g. 3 sliding + 1 full)."""
+    for j, kind in enumerate(cfg.layer_pattern):
+      p = {name: value[j] for name, value in group_params.items()}
+      x_BTD = _block(x_BTD, p, window=layer_window(cfg, j), rope=ropes[kind],
+                     segment_ids_BT=segment_ids_BT, cfg=cfg)
+    return x_BTD, None
+
+  if cfg.remat != 'none':
+    group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat],
+                           prevent_cse=False)
+  # Scan over groups of one pattern period, so compile time does not grow with depth.
+  grouped = {name: value.reshape(-1, period, *value.shape[1:])
+             for name, value in layer.items()}
+  x_BTD, _ = jax.lax.scan(group, x_BTD, grouped)
+
+  with hk.name_scope('final_norm'):
+    scale_D = hk.get_parameter('scale', (cfg.d_model,), jnp.dtype(cfg.param_dtype),
+                               init=jnp.ones)
+  with hk.name_scope('lm_head'):
+    hk.get_parameter('w', (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype),
+                     init=_trunc_normal(cfg))
+  return rms_norm(x_BTD, scale_D, cfg.norm_eps)
+
+
+def build(cfg: ml_collections.ConfigDict) -> hk.Transformed:
+  """init(rng, tokens_BT) -> params; apply(params, tokens_BT, ...) -> final-normed h_BTD.
+
+  The output head is applied by the caller (`logits`, or the chunked loss in
+  optim.py) so that no [B, T, V] float32 array has to exist.
+  """
+  validate(cfg)
+
+  def fn(tokens_BT, segment_ids_BT=None, positions_BT=None):
+    return _forward(tokens_BT, segment_ids_BT, positions_BT, cfg)
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+def init_params(cfg: ml_collections.ConfigDict, rng: jax.Array) -> Params:
+  return build(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))
+
+
+def logits(params: Params, tokens_BT: jax.Array, cfg: ml_collections.ConfigDict,
+           segment_ids_BT: jax.Array | None = None) -> jax.Array:
+  """Float32 logits [B, T, V]; the head runs in compute dtype, like HF and OLMo-core."""
+  h_BTD = build(cfg).apply(params, tokens_BT, segment_ids_BT)
+  w_DV = params['lm_head']['w'].astype(h_BTD.dtype)
+  return (h_BTD @ w_DV).astype(jnp.float32)
+
+
+# --- Counting -----------------------------------------------------------------
+
+
+def param_count(cfg: ml_collections.ConfigDict) -> int:
+  """Exact number of parameters (equals the size of `init_params`' tree)."""
+  D, F = cfg.d_model, cfg.mlp_hidden
+  HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_layer = (D * HK + 2 * D * GK + HK * D + HK + GK  # attention + QK-norms
+               + 3 * D * F + 2 * D)  # SwiGLU + the two block norms
+  return 2 * cfg.vocab_size * D + cfg.num_layers * per_layer + D
+
+
+def attended_pairs(seq_len: int, window: int | None) -> int:
+  """(query, key) pairs a causal (optionally windowed) layer computes per sequence."""
+  if window is None or window >= seq_len:
+    return seq_len * (seq_len + 1) // 2
+  return window * (window + 1) // 2 + (seq_len - window) * window
+
+
+def flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
+  """Training FLOPs per token, OLMo-core's definition (`num_flops_per_token`).
+
+  6 per weight of every matmul (attention incl. QK-norm weights, MLP, head
+  incl. final norm; not the embedding lookup or block norms), plus 12*H*K per
+  attended (query, key) pair: QK^T and PV, 2 FLOPs each, times 3 for the
+  backward. Sliding layers count only the keys inside their window, so MFU
+  reported here lines up with Ai2's dashboards.
+  """
+  D, F = cfg.d_model, cfg.mlp_hidden
+  HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  attn_weights = D * HK + 2 * D * GK + HK * D + HK + GK
+  total = 6 * (cfg.vocab_size * D + D)  # lm_head incl. its norm
+  for layer in range(cfg.num_layers):
+    pairs = attended_pairs(seq_len, layer_window(cfg, layer))
+    total += 6 * (attn_weights + 3 * D * F)
+    total += 12 * HK * pairs // seq_len
+  return total
+
