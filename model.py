@@ -98,7 +98,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   # The weight is in compute dtype in the reference (bf16 params under FSDP
   # mixed precision), so round it the same way before the float32 product.
-  return (scale.astype(x.dtype).astype(jnp.float32) * normed).astype(x.dtype)
+  scale = scale.astype(x.dtype).astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+  return (scale * normed).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ml_collections.ConfigDict, full_layer: bool
@@ -138,7 +139,7 @@ def rope_frequencies(cfg: ml_collections.ConfigDict, full_layer: bool
 def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scale: float
                 ) -> tuple[jax.Array, jax.Array]:
   """cos, sin tables [B, T, K] in float32 for the half-split layout."""
-  freqs_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  freqs_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
   angles_BTK = jnp.concatenate([freqs_BTk, freqs_BTk], axis=-1)
   return jnp.cos(angles_BTK) * scale, jnp.sin(angles_BTK) * scale
 

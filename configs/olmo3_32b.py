@@ -20,4 +20,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.opt.lr = 6e-4  # OLMo-core OLMo-3-1025-32B.py: LR
   c.opt.final_lr = 6e-5  # OLMo-core CosWithWarmup default alpha_f = 0.1
   c.opt.schedule = 'cosine'  # OLMo-core OLMo-3-1025-32B.py: CosWithWarmup(warmup_steps=2000)
+  c.train.steps = 706_907  # one epoch of the same mix at 1024 instances per batch
+  c.opt.t_max = c.train.steps  # OLMo-core CosWithWarmup default: t_max = max_duration
   return c

@@ -81,6 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.opt.part2_start = 596_047  # OLMo-core pretrain-2: resumed from this step
   c.opt.part2_warmup = 597_046  # OLMo-core pretrain-2: HalfCosWithWarmup warmup
   c.opt.part2_t_max = 1_668_931  # OLMo-core pretrain-2: t_max
+  c.opt.single_cosine_t_max = 1_413_814  # MaxText: one cosine over the whole epoch
   c.opt.skip_step = True  # OLMo-core SkipStepAdamW
   c.opt.skip_window = 128  # OLMo-core SkipStepOptimizer rolling_interval_length
   c.opt.skip_sigma = 6.0  # OLMo-core SkipStepOptimizer sigma_factor

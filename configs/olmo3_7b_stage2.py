@@ -1,0 +1,27 @@
+"""Olmo 3 7B stage 2 (mid-training anneal): the stage-1 recipe with what changes.
+
+Source: OLMo-core `src/scripts/official/OLMo-3-1025-7B-midtrain.py`, see
+../shared/reference/OLMO3.md §2. Set `train.init_from` to the final stage-1
+checkpoint and `data.mix_file` to the midtrain mix (OLMo-core ships
+`olmo_core/data/mixes/OLMo-midtraining-mix-0925-ingredient{1,2}-100B.txt`).
+"""
+
+import ml_collections
+
+from configs import olmo3_7b
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = olmo3_7b.get_config()
+  c.data.global_batch_size = 256  # OLMo-core midtrain: 256 x 8192 = 2^21 tokens
+  c.data.seed = 1337  # OLMo-core midtrain: data seed (epoch 1 order, PCG64(1338))
+  c.opt.lr = 2.0712352850360292e-4  # OLMo-core midtrain: LR
+  c.opt.schedule = 'linear'  # OLMo-core midtrain: LinearWithWarmup(warmup=0, alpha_f=0)
+  c.opt.warmup_steps = 0  # OLMo-core midtrain: no warmup
+  c.opt.final_lr = 0.0  # OLMo-core midtrain: alpha_f = 0, decays to zero
+  c.opt.t_max = 47_684  # OLMo-core midtrain: 100B tokens / 2^21 per step
+  c.train.steps = 47_684  # OLMo-core midtrain: 100B tokens
+  # OLMo-core midtrain loads the stage-1 model and optimizer state (moments and
+  # Adam count) but starts at trainer step 0: fresh schedule and data order.
+  c.train.reset_step_on_init = True  # train.py: apply optim.stage2_reset after loading init_from
+  return c

@@ -1,0 +1,331 @@
+"""Olmo 3 weights between HF safetensors directories and our params.
+
+    python convert.py --from_hf=HF_DIR --to=CKPT_DIR      # HF -> our checkpoint
+    python convert.py --from_ckpt=CKPT_DIR --to_hf=HF_DIR  # our checkpoint -> HF
+
+Tensors are streamed one at a time from memory-mapped safetensors into the
+stacked [L, ...] arrays of model.py (and back, one output shard at a time), so
+converting a 7B model needs about one copy of the weights in host memory.
+
+HF config dialects read (../shared/reference/OLMO3.md §8):
+  hub:    top-level `rope_theta`, `rope_scaling`, `layer_types`, `sliding_window`
+  nested: `rope_parameters` = {'full_attention': {...}, 'sliding_attention': {...}}
+          (what transformers >= 5.13 `save_pretrained` writes)
+  flat:   `rope_parameters` = {'rope_type': ..., 'rope_theta': ...} (5.0-5.12);
+          its YaRN is read as full-layers-only, Olmo 3's real semantics.
+We write the hub dialect, which transformers 4.57 and >= 5.13 both read right.
+"""
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+
+import ml_collections
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from configs import olmo3_7b
+
+# HF tensor name for layer i -> (our module, our name); HF Linear weights are
+# [out, in] and ours [in, out]; the embedding is [V, D] on both sides.
+LAYER_TENSORS = {
+    'self_attn.q_proj.weight': ('attention', 'w_q'),
+    'self_attn.k_proj.weight': ('attention', 'w_k'),
+    'self_attn.v_proj.weight': ('attention', 'w_v'),
+    'self_attn.o_proj.weight': ('attention', 'w_o'),
+    'self_attn.q_norm.weight': ('attention', 'q_norm'),
+    'self_attn.k_norm.weight': ('attention', 'k_norm'),
+    'post_attention_layernorm.weight': ('attention_norm', 'scale'),
+    'mlp.gate_proj.weight': ('mlp', 'w_gate'),
+    'mlp.up_proj.weight': ('mlp', 'w_up'),
+    'mlp.down_proj.weight': ('mlp', 'w_down'),
+    'post_feedforward_layernorm.weight': ('mlp_norm', 'scale'),
+}
+GLOBAL_TENSORS = {
+    'model.embed_tokens.weight': ('embed', 'embedding'),
+    'model.norm.weight': ('final_norm', 'scale'),
+    'lm_head.weight': ('lm_head', 'w'),
+}
+_VOCAB_ROWS = {('embed', 'embedding'): 0, ('lm_head', 'w'): 1}  # axis of the vocab, ours
+
+
+def _transposed(key: tuple[str, str], value: np.ndarray) -> np.ndarray:
+  """HF layout <-> ours: transpose every 2-D weight except the embedding table."""
+  return value.T if value.ndim == 2 and key != ('embed', 'embedding') else value
+
+
+class ConversionError(ValueError):
+  """Config and weights do not describe the same Olmo 3 model."""
+
+
+# --- Config --------------------------------------------------------------------
+
+
+def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+  """(rope_theta, yarn dict or None) from any of the three dialects."""
+  params = hf.get('rope_parameters')
+  if params is None:  # hub dialect
+    return float(hf.get('rope_theta', 500_000.0)), hf.get('rope_scaling')
+  if 'full_attention' in params or 'sliding_attention' in params:  # nested
+    full = params.get('full_attention') or {}
+    sliding = params.get('sliding_attention') or {}
+    thetas = {float(p['rope_theta']) for p in (full, sliding) if 'rope_theta' in p}
+    if len(thetas) > 1:
+      raise ConversionError(f'rope_theta differs between layer types ({thetas}); '
+                            'this model uses one theta for all layers')
+    if sliding.get('rope_type', 'default') != 'default':
+      raise ConversionError(f"sliding layers use rope_type {sliding['rope_type']!r}; "
+                            'Olmo 3 keeps plain RoPE on sliding layers')
+    return (thetas.pop() if thetas else 500_000.0), full
+  logging.warning('Flat rope_parameters (transformers 5.0-5.12 dialect): reading '
+                  'any YaRN as full-attention-layers only, as Olmo 3 defines it.')
+  return float(params.get('rope_theta', 500_000.0)), params
+
+
+def model_config_from_hf(hf: dict, pad_vocab_to: int = 128) -> ml_collections.ConfigDict:
+  """Our model config (7B defaults for what HF does not say) from an HF config dict."""
+  if hf.get('model_type') != 'olmo3':
+    raise ConversionError(f"model_type is {hf.get('model_type')!r}, expected 'olmo3'")
+  m = olmo3_7b.model_config()
+  m.num_layers = hf['num_hidden_layers']
+  m.d_model = hf['hidden_size']
+  m.num_heads = hf['num_attention_heads']
+  m.num_kv_heads = hf.get('num_key_value_heads') or m.num_heads
+  m.head_dim = hf.get('head_dim') or m.d_model // m.num_heads
+  m.mlp_hidden = hf['intermediate_size']
+  m.norm_eps = hf.get('rms_norm_eps', 1e-6)
+  m.vocab_size = -(-hf['vocab_size'] // pad_vocab_to) * pad_vocab_to
+  if hf.get('tie_word_embeddings'):
+    raise ConversionError('tie_word_embeddings=true, but Olmo 3 has an untied head')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise ConversionError(f"hidden_act={hf['hidden_act']!r}; Olmo 3 uses silu")
+
+  layer_types = hf.get('layer_types') or [
+      'full_attention' if (i + 1) % 4 == 0 else 'sliding_attention'
+      for i in range(m.num_layers)]
+  if len(layer_types) != m.num_layers:
+    raise ConversionError(f'layer_types has {len(layer_types)} entries but '
+                          f'num_hidden_layers={m.num_layers}')
+  m.layer_pattern = _periodic_pattern(layer_types)
+  m.sliding_window = hf.get('sliding_window') or m.sliding_window
+  m.sliding_window_plus_one = False  # HF: query i sees (i-W, i]
+
+  m.rope_theta, scaling = _rope_settings(hf)
+  rope_type = (scaling or {}).get('rope_type', (scaling or {}).get('type', 'default'))
+  m.yarn.enabled = rope_type == 'yarn'
+  if m.yarn.enabled:
+    m.yarn.factor = float(scaling['factor'])
+    m.yarn.original_max_position = int(scaling['original_max_position_embeddings'])
+    m.yarn.beta_fast = float(scaling.get('beta_fast') or 32.0)
+    m.yarn.beta_slow = float(scaling.get('beta_slow') or 1.0)
+    if scaling.get('attention_factor') is not None:
+      m.yarn.attention_factor = float(scaling['attention_factor'])
+  elif rope_type != 'default':
+    raise ConversionError(f'rope_type {rope_type!r} is not supported (default or yarn)')
+  return m
+
+
+def _periodic_pattern(layer_types: list[str]) -> str:
+  """Shortest period of the layer types as an 'S'/'F' string (the scan group)."""
+  codes = {'sliding_attention': 'S', 'full_attention': 'F'}
+  unknown = set(layer_types) - set(codes)
+  if unknown:
+    raise ConversionError(f'unknown layer_types {sorted(unknown)}')
+  s = ''.join(codes[t] for t in layer_types)
+  for period in range(1, len(s) + 1):
+    if len(s) % period == 0 and s[:period] * (len(s) // period) == s:
+      return s[:period]
+  raise AssertionError('unreachable: the whole string is a period')
+
+
+def hf_config(cfg: ml_collections.ConfigDict, vocab_size: int, *,
+              eos_token_id: int | None = None, pad_token_id: int | None = None,
+              dtype: str = 'float32') -> dict:
+  """An HF config.json dict in the hub dialect."""
+  pattern = cfg.layer_pattern * (cfg.num_layers // len(cfg.layer_pattern))
+  names = {'S': 'sliding_attention', 'F': 'full_attention'}
+  if cfg.sliding_window_plus_one:
+    raise ConversionError('HF Olmo 3 has no W+1 sliding window; export with '
+                          'sliding_window_plus_one=False (or sliding_window+1)')
+  rope_scaling = None
+  max_positions = 8192  # stage-1/2 sequence length
+  if cfg.yarn.enabled:
+    y = cfg.yarn
+    rope_scaling = {'rope_type': 'yarn', 'factor': y.factor,
+                    'original_max_position_embeddings': y.original_max_position,
+                    'beta_fast': y.beta_fast, 'beta_slow': y.beta_slow}
+    if y.attention_factor is not None:
+      rope_scaling['attention_factor'] = y.attention_factor
+    max_positions = int(y.original_max_position * y.factor)
+  return {
+      'architectures': ['Olmo3ForCausalLM'], 'model_type': 'olmo3',
+      'vocab_size': vocab_size, 'hidden_size': cfg.d_model,
+      'intermediate_size': cfg.mlp_hidden, 'num_hidden_layers': cfg.num_layers,
+      'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.num_kv_heads,
+      'head_dim': cfg.head_dim, 'hidden_act': 'silu', 'rms_norm_eps': cfg.norm_eps,
+      'max_position_embeddings': max_positions, 'rope_theta': cfg.rope_theta,
+      'rope_scaling': rope_scaling, 'layer_types': [names[c] for c in pattern],
+      'sliding_window': cfg.sliding_window, 'attention_bias': False,
+      'attention_dropout': 0.0, 'tie_word_embeddings': False, 'use_cache': True,
+      'bos_token_id': None, 'eos_token_id': eos_token_id, 'pad_token_id': pad_token_id,
+      'initializer_range': cfg.init_std, 'dtype': dtype,
+  }
+
+
+# --- Weights -----------------------------------------------------------------------
+
+
+def _shapes(cfg: ml_collections.ConfigDict) -> dict[tuple[str, str], tuple[int, ...]]:
+  """Our per-layer (without L) and global shapes."""
+  D, F = cfg.d_model, cfg.mlp_hidden
+  HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return {
+      ('attention', 'w_q'): (D, HK), ('attention', 'w_k'): (D, GK),
+      ('attention', 'w_v'): (D, GK), ('attention', 'w_o'): (HK, D),
+      ('attention', 'q_norm'): (HK,), ('attention', 'k_norm'): (GK,),
+      ('attention_norm', 'scale'): (D,), ('mlp', 'w_gate'): (D, F),
+      ('mlp', 'w_up'): (D, F), ('mlp', 'w_down'): (F, D), ('mlp_norm', 'scale'): (D,),
+      ('embed', 'embedding'): (cfg.vocab_size, D), ('final_norm', 'scale'): (D,),
+      ('lm_head', 'w'): (D, cfg.vocab_size),
+  }
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file, for a single file or a sharded index."""
+  index = os.path.join(directory, 'model.safetensors.index.json')
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)['weight_map']
+    return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+  single = os.path.join(directory, 'model.safetensors')
+  if not os.path.exists(single):
+    raise FileNotFoundError(f'No model.safetensors or model.safetensors.index.json in '
+                            f'{directory}; is it an HF model directory?')
+  with safe_open(single, framework='np') as f:
+    return {name: single for name in f.keys()}
+
+
+def load_hf(directory: str, *, pad_vocab_to: int = 128, dtype=np.float32
+            ) -> tuple[dict, ml_collections.ConfigDict]:
+  """Reads an HF Olmo 3 directory into (params as numpy, model config)."""
+  config_path = os.path.join(directory, 'config.json')
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f'{config_path} not found; is {directory} an HF model directory?')
+  with open(config_path) as f:
+    cfg = model_config_from_hf(json.load(f), pad_vocab_to)
+  files = _weight_files(directory)
+  shapes = _shapes(cfg)
+  expected = set(GLOBAL_TENSORS) | {f'model.layers.{i}.{name}'
+                                    for i in range(cfg.num_layers) for name in LAYER_TENSORS}
+  missing = sorted(expected - set(files))
+  if missing:
+    raise ConversionError(f'{directory}: {len(missing)} tensors missing, e.g. {missing[:3]}')
+  unknown = sorted(set(files) - expected)
+  if unknown:
+    raise ConversionError(f'{directory}: unexpected tensors {unknown[:3]}; not an Olmo 3 '
+                          'checkpoint with this config.json')
+
+  params: dict[str, dict[str, np.ndarray]] = {}
+  for (module, name), shape in shapes.items():
+    full = shape if (module, name) in GLOBAL_TENSORS.values() else (cfg.num_layers, *shape)
+    # Pad vocab rows are zero: they never appear as inputs, and their logits
+    # are sliced off wherever HF numbers are compared.
+    params.setdefault(module, {})[name] = np.zeros(full, dtype)
+
+  for file, names in _by_file(files):
+    with safe_open(file, framework='np') as f:
+      for name in names:
+        _place(params, shapes, name, f.get_tensor(name))
+  return params, cfg
+
+
+def _by_file(files: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
+  """Groups tensor names by file so each file is opened once."""
+  grouped: dict[str, list[str]] = {}
+  for name, file in files.items():
+    grouped.setdefault(file, []).append(name)
+  for file, names in sorted(grouped.items()):
+    yield file, sorted(names)
+
+
+def _place(params: dict, shapes: dict, hf_name: str, tensor: np.ndarray) -> None:
+  """Writes one HF tensor (transposed to [in, out]) into our stacked arrays."""
+  if hf_name in GLOBAL_TENSORS:
+    key, layer = GLOBAL_TENSORS[hf_name], None
+  else:
+    _, _, index, rest = hf_name.split('.', 3)
+    key, layer = LAYER_TENSORS[rest], int(index)
+  value = _transposed(key, tensor)
+  target = params[key[0]][key[1]]
+  want = shapes[key]
+  if key in _VOCAB_ROWS:
+    axis = _VOCAB_ROWS[key]
+    if value.shape[1 - axis] != want[1 - axis] or value.shape[axis] > want[axis]:
+      raise ConversionError(f'{hf_name}: shape {tensor.shape} does not fit our {want}')
+    index = (slice(0, value.shape[0]), slice(0, value.shape[1]))
+    target[index] = value
+    return
+  if value.shape != want:
+    raise ConversionError(f'{hf_name}: shape {tensor.shape} (HF) but config.json implies '
+                          f'{want[::-1] if len(want) == 2 else want}')
+  if layer is None:
+    target[...] = value
+  else:
+    target[layer] = value
+
+
+def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
+            vocab_size: int | None = None, dtype: str = 'float32',
+            max_shard_bytes: int = 5 << 30, eos_token_id: int | None = None,
+            pad_token_id: int | None = None) -> None:
+  """Writes params as an HF directory: sharded safetensors, index, config.json.
+
+  vocab_size: HF rows to keep (e.g. 100278 for the dolma2 tokenizer); None
+  keeps all rows, which makes params -> HF -> params exact.
+  """
+  import ml_dtypes  # Comes with jax; numpy has no bfloat16 of its own.
+  np_dtype = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}[dtype]
+  vocab_size = vocab_size or cfg.vocab_size
+  if vocab_size > cfg.vocab_size:
+    raise ConversionError(f'vocab_size={vocab_size} exceeds the model vocab {cfg.vocab_size}')
+  os.makedirs(directory, exist_ok=True)
+  names = [(name, key, None) for name, key in GLOBAL_TENSORS.items()]
+  names += [(f'model.layers.{i}.{name}', key, i)
+            for i in range(cfg.num_layers) for name, key in LAYER_TENSORS.items()]
+
+  def tensor(key, layer):
+    value = np.asarray(params[key[0]][key[1]] if layer is None
+                       else params[key[0]][key[1]][layer])
+    if key in _VOCAB_ROWS:
+      value = np.take(value, np.arange(vocab_size), axis=_VOCAB_ROWS[key])
+    return np.ascontiguousarray(_transposed(key, value).astype(np_dtype))
+
+  shards, current, size = [], [], 0
+  for entry in names:
+    nbytes = math.prod(np.shape(params[entry[1][0]][entry[1][1]])) * np.dtype(np_dtype).itemsize
+    nbytes //= 1 if entry[2] is None else cfg.num_layers
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append(entry)
+    size += nbytes
+  shards.append(current)
+
+  weight_map, total = {}, 0
+  for i, shard in enumerate(shards):
+    file = (f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' if len(shards) > 1
+            else 'model.safetensors')
+    tensors = {name: tensor(key, layer) for name, key, layer in shard}
+    total += sum(t.nbytes for t in tensors.values())
+    save_file(tensors, os.path.join(directory, file), metadata={'format': 'pt'})
+    weight_map.update({name: file for name in tensors})
+    del tensors
+  if len(shards) > 1:
+    with open(os.path.join(directory, 'model.safetensors.index.json'), 'w') as f:
+      json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(hf_config(cfg, vocab_size, eos_token_id=eos_token_id,
+                        pad_token_id=pad_token_id, dtype=dtype), f, indent=2)

@@ -1,0 +1,241 @@
+"""model.py and convert.py against HF transformers' Olmo3ForCausalLM (CPU torch)."""
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import Olmo3Config, Olmo3ForCausalLM
+
+import convert
+import model
+import parity
+from configs import olmo3_7b, olmo3_7b_hd256, olmo3_32b, small
+
+HF_CASES = {
+    # name: HF config overrides (hidden 64, 4 layers unless said)
+    'mha': dict(num_attention_heads=4, num_key_value_heads=4),
+    'gqa': dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    'yarn': dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8,
+                 rope_scaling={'rope_type': 'yarn', 'factor': 8.0, 'beta_fast': 32.0,
+                               'beta_slow': 1.0, 'original_max_position_embeddings': 16},
+                 max_position_embeddings=128),
+}
+
+
+def make_hf(tmp_path, case: str, seed: int = 0) -> str:
+  """A tiny random Olmo 3 with random norm weights, saved with save_pretrained."""
+  kwargs = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                sliding_window=5, rms_norm_eps=1e-6, rope_theta=500_000.0,
+                pad_token_id=1, eos_token_id=0)
+  kwargs.update(HF_CASES[case])
+  torch.manual_seed(seed)
+  hf = Olmo3ForCausalLM(Olmo3Config(**kwargs))
+  with torch.no_grad():  # so a misplaced or mis-cast norm shows in the logits
+    for name, p in hf.named_parameters():
+      if 'norm' in name:
+        p.copy_(1 + 0.5 * torch.randn_like(p))
+  path = str(tmp_path / case)
+  hf.save_pretrained(path)
+  return path
+
+
+def hf_logits(path: str, tokens: np.ndarray) -> np.ndarray:
+  hf = Olmo3ForCausalLM.from_pretrained(path, attn_implementation='eager')
+  with torch.no_grad():
+    return hf(torch.as_tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize('case', sorted(HF_CASES))
+@pytest.mark.parametrize('seq_len', [13, 24])
+def test_logits_match_hf(tmp_path, case, seq_len):
+  path = make_hf(tmp_path, case)
+  tokens = np.random.default_rng(seq_len).integers(0, 250, size=(2, seq_len))
+  params, cfg = convert.load_hf(path)
+  cfg.dtype = 'float32'
+  ours = np.asarray(model.logits(params, jnp.asarray(tokens), cfg))[..., :250]
+  ref = hf_logits(path, tokens)
+  assert np.abs(ours - ref).max() < 1e-4
+  stats = parity.compare_logits(ref, ours)
+  assert stats['kl_mean'] < 1e-6 and stats['top1_agreement'] == 1.0
+
+
+def test_config_dialects_agree(tmp_path):
+  path = make_hf(tmp_path, 'yarn')
+  with open(os.path.join(path, 'config.json')) as f:
+    nested = json.load(f)  # transformers 5.23 writes the nested dialect
+  assert 'full_attention' in nested['rope_parameters']
+  hub = convert.hf_config(convert.model_config_from_hf(nested), nested['vocab_size'])
+  flat = dict(hub, rope_parameters=dict(hub['rope_scaling'], rope_theta=hub['rope_theta']))
+  del flat['rope_scaling'], flat['rope_theta']
+  configs = [convert.model_config_from_hf(d) for d in (nested, hub, flat)]
+  assert configs[0].to_dict() == configs[1].to_dict() == configs[2].to_dict()
+  assert configs[0].yarn.enabled and configs[0].layer_pattern == 'SSSF'
+
+
+def test_round_trips_are_exact(tmp_path):
+  src = make_hf(tmp_path, 'gqa')
+  params, cfg = convert.load_hf(src)
+  # Nonzero pad rows: exporting all rows (vocab_size=None) keeps them.
+  params['lm_head']['w'][:, 250:] = np.random.default_rng(1).normal(size=(64, 6))
+  convert.save_hf(params, cfg, str(tmp_path / 'all'), max_shard_bytes=20_000)
+  again, cfg2 = convert.load_hf(str(tmp_path / 'all'))
+  assert cfg2.to_dict() == cfg.to_dict()
+  chex.assert_trees_all_equal(params, again)
+
+  # HF -> ours -> HF (tokenizer vocab) gives back the same tensors and logits.
+  convert.save_hf(params, cfg, str(tmp_path / 'hf'), vocab_size=250)
+  tokens = np.arange(22).reshape(2, 11)
+  np.testing.assert_array_equal(hf_logits(src, tokens), hf_logits(str(tmp_path / 'hf'), tokens))
+
+
+def test_bf16_export_loads_in_hf(tmp_path):
+  params, cfg = convert.load_hf(make_hf(tmp_path, 'mha'))
+  convert.save_hf(params, cfg, str(tmp_path / 'bf16'), vocab_size=250, dtype='bfloat16')
+  hf = Olmo3ForCausalLM.from_pretrained(str(tmp_path / 'bf16'))
+  assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_conversion_errors(tmp_path):
+  path = make_hf(tmp_path, 'mha')
+  with open(os.path.join(path, 'config.json')) as f:
+    good = json.load(f)
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump(dict(good, intermediate_size=128), f)
+  with pytest.raises(convert.ConversionError, match='mlp.down_proj'):
+    convert.load_hf(path)
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump(dict(good, num_hidden_layers=8, layer_types=good['layer_types'] * 2), f)
+  with pytest.raises(convert.ConversionError, match='missing'):
+    convert.load_hf(path)
+  with pytest.raises(convert.ConversionError, match='layer_types'):
+    convert.model_config_from_hf(dict(good, num_hidden_layers=8))
+  with pytest.raises(convert.ConversionError, match='llama'):
+    convert.model_config_from_hf(dict(good, model_type='llama'))
+  with pytest.raises(FileNotFoundError, match='config.json'):
+    convert.load_hf(str(tmp_path / 'nowhere'))
+
+
+def test_published_parameter_counts():
+  c7 = olmo3_7b.get_config().model
+  assert model.param_count(c7) == 7_298_617_344
+  c7.vocab_size = 100278
+  assert model.param_count(c7) == 7_298_011_136
+  assert model.param_count(olmo3_7b_hd256.get_config().model) == 7_298_617_344
+  c32 = olmo3_32b.get_config().model
+  c32.vocab_size = 100278
+  assert model.param_count(c32) == 32_233_522_176
+
+
+def test_param_count_equals_tree_size():
+  cfg = small.get_config().model
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == model.param_count(cfg)
+
+
+def test_flops_match_olmo_core():
+  from olmo_core.nn.attention import SlidingWindowAttentionConfig
+  from olmo_core.nn.transformer import TransformerConfig
+  oc = TransformerConfig.olmo3_7B(vocab_size=512)
+  oc.d_model, oc.n_layers = 64, 8
+  oc.block.sequence_mixer.n_heads = 4
+  oc.block.sequence_mixer.backend = 'torch'
+  oc.block.sequence_mixer.sliding_window = SlidingWindowAttentionConfig(
+      pattern=[16, 16, 16, -1], force_full_attention_on_first_layer=False,
+      force_full_attention_on_last_layer=False)
+  oc.block.feed_forward.hidden_size = 96
+  reference = oc.build(init_device='cpu').num_flops_per_token(100)
+  cfg = small.get_config().model
+  cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads = 512, 64, 8, 4
+  cfg.num_kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.sliding_window = 4, 16, 96, 16
+  assert model.flops_per_token(cfg, 100) == reference
+
+
+def _tiny_cfg(**overrides):
+  cfg = small.get_config().model
+  cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads = 64, 32, 4, 2
+  cfg.head_dim, cfg.mlp_hidden, cfg.sliding_window, cfg.num_layers = 8, 48, 4, 8
+  cfg.update(overrides)
+  return cfg
+
+
+def _token_loss(params, tokens, cfg, t):
+  return jax.nn.log_softmax(model.logits(params, tokens, cfg))[0, t, 3]
+
+
+def test_causality():
+  cfg = _tiny_cfg()
+  params = model.init_params(cfg, jax.random.key(0))
+  embed = params['embed']['embedding']
+  tokens = jnp.arange(12)[None] % 64
+
+  def loss_from_inputs(x_TD, t):
+    p = dict(params, embed={'embedding': embed.at[tokens[0]].set(x_TD)})
+    return _token_loss(p, tokens, cfg, t)
+  grad = jax.jit(jax.grad(loss_from_inputs), static_argnums=1)
+  for t in (0, 5, 11):
+    g_TD = grad(embed[tokens[0]], t)
+    assert np.all(np.asarray(g_TD[t + 1:]) == 0)
+    assert np.any(np.asarray(g_TD[:t + 1]) != 0)
+
+
+@pytest.mark.parametrize('plus_one', [False, True])
+def test_sliding_window_edge(plus_one):
+  """With every layer sliding, a key just outside the window has no influence."""
+  cfg = _tiny_cfg(layer_pattern='S', num_layers=1, sliding_window_plus_one=plus_one)
+  params = model.init_params(cfg, jax.random.key(1))
+  t, w = 9, cfg.sliding_window + int(plus_one)
+  embed = params['embed']['embedding']
+  tokens = (jnp.arange(12)[None] * 7) % 64
+
+  def out(x_TD):
+    p = dict(params, embed={'embedding': embed.at[tokens[0]].set(x_TD)})
+    return _token_loss(p, tokens, cfg, t)
+  g_TD = np.asarray(jax.grad(out)(embed[tokens[0]]))
+  assert np.all(g_TD[t - w] == 0)  # just outside: query t sees (t-w, t]
+  assert np.any(g_TD[t - w + 1] != 0)  # just inside
+
+
+def test_segment_ids_isolate_documents():
+  """A packed second document (positions restarted) equals that document alone."""
+  cfg = _tiny_cfg()
+  params = model.init_params(cfg, jax.random.key(2))
+  tokens = jax.random.randint(jax.random.key(3), (1, 10), 0, 64)
+  segments = jnp.array([[0] * 4 + [1] * 6])
+  positions = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+  w = params['lm_head']['w']
+  alone = np.asarray(model.logits(params, tokens[:, 4:], cfg))
+  packed = model.build(cfg).apply(params, tokens, segments, positions) @ w
+  np.testing.assert_allclose(np.asarray(packed[:, 4:]), alone, atol=1e-5)
+  unmasked = model.build(cfg).apply(params, tokens, None, positions) @ w
+  assert not np.allclose(np.asarray(unmasked[:, 4:]), alone, atol=1e-3)
+
+
+@pytest.mark.parametrize('policy', ['full', 'save_dots', 'save_proj'])
+def test_remat_changes_nothing(policy):
+  base = _tiny_cfg(remat='none')
+  params = model.init_params(base, jax.random.key(4))
+  tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 64)
+
+  def loss(p, cfg):
+    return -jnp.mean(jax.nn.log_softmax(model.logits(p, tokens, cfg))[:, :-1, :].max(-1))
+  ref_loss, ref_grad = jax.jit(jax.value_and_grad(lambda p: loss(p, base)))(params)
+  cfg = _tiny_cfg(remat=policy)
+  got_loss, got_grad = jax.jit(jax.value_and_grad(lambda p: loss(p, cfg)))(params)
+  # Recomputation changes XLA's fusion and so float32 summation order: equal
+  # to rounding (grads are ~1e-2; observed differences <= 6e-7), not bitwise.
+  np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
+  chex.assert_trees_all_close(got_grad, ref_grad, rtol=1e-4, atol=2e-6)
+
+
+def test_bad_config_is_named():
+  with pytest.raises(ValueError, match='num_kv_heads'):
+    model.validate(_tiny_cfg(num_kv_heads=3))
+  with pytest.raises(ValueError, match='layer_pattern'):
+    model.validate(_tiny_cfg(num_layers=6))
+  with pytest.raises(ValueError, match='remat'):
+    model.validate(_tiny_cfg(remat='sometimes'))
