@@ -195,9 +195,11 @@ def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
                          segment_ids_BT=segment_ids_BT)
   if cfg.attention_impl == 'pallas':
     from kernels import flash_attention  # Only TPU runs (and kernel tests) need Pallas.
-    return flash_attention.flash_attention(
+    # The TPU kernel runs on CPU only through its interpreter (tests).
+    return flash_attention(
         q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT,
-        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
+        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+        interpret=jax.default_backend() == 'cpu')
   if cfg.attention_impl == 'cudnn':
     if segment_ids_BT is not None:
       raise NotImplementedError(

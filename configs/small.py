@@ -29,8 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = 'none'  # activations are small; recompute would only cost time
 
   d = c.data
-  d.paths = (os.path.join(DATA_DIR, 'shakespeare_train.bin'),)
-  d.validation_paths = (os.path.join(DATA_DIR, 'shakespeare_val.bin'),)
+  d.paths = (os.path.join(DATA_DIR, 'shakespeare-train-00000.npy'),)
+  d.validation_paths = (os.path.join(DATA_DIR, 'shakespeare-validation-00000.npy'),)
   d.vocab_size = 8192  # embedded tokenizer
   d.eos_token_id = 0  # embedded tokenizer's <|endoftext|>
   d.pad_token_id = 1  # embedded tokenizer's <|pad|>

@@ -1,0 +1,667 @@
+"""Token data: OLMo-core's numpy fixed-sequence-length dataset and loader.
+
+Given the same token files, mix and seed, the batch for step k is the one
+OLMo-core's `NumpyFSLDataset` + `NumpyFSLDataLoader` produced at that step,
+instance for instance (../shared/reference/OLMO3.md §3):
+
+  files   raw little-endian uint32 tokens, read by memory map; file f gives
+          n_f = tokens_f // T instances (remainder dropped) and owns the global
+          ids [sum_{g<f} n_g, sum_{g<=f} n_g), files in mix order.
+  order   epoch e (from 1): PCG64(seed + e) shuffle of arange(N, uint32), cached
+          on disk under OLMo-core's file name and memory mapped.
+  batch   step b of an epoch (0-based) is order[b*B:(b+1)*B]; the tail is dropped.
+  ranks   OLMo-core data-parallel rank r of W takes batch positions r, r+W, ...
+
+The batch for a step is a pure function of (dataset, seed, epoch, step), so
+resuming needs only that tuple (plus the fingerprint, to refuse changed data).
+
+Glossary: N instances in the dataset, B global batch (instances), T sequence
+length, W data-parallel batch shards (devices that split the batch), P periods.
+"""
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import mmap
+import os
+import queue
+import threading
+import uuid
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+IGNORE_INDEX = -100  # OLMo-core get_labels: label_ignore_index
+FINGERPRINT_VERSION = 'v2.0'  # OLMo-core NumpyDatasetBase.fingerprint_version
+_TOKEN_DTYPE = np.dtype('<u4')  # OLMo-core NumpyDatasetDType.uint32, little-endian on disk
+_NPY_MAGIC = b'\x93NUMPY'  # as a uint32 token this is 1.3e9, far above any vocab
+_MAX_OPEN_MAPS = 128  # each map holds a file descriptor; 951 stage-1 files exceed ulimit 1024
+
+
+# ----------------------------------------------------------------------------
+# Files and mixes.
+
+
+def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
+             path_remap: Sequence[str] = ()) -> tuple[list[str], list[str], list[int | None]]:
+  """Parses an OLMo-core mix file into (paths, labels, listed sizes).
+
+  Lines are `label,path` (OLMo-core `DataMix.build`), or `label,path,bytes` where
+  our own manifests (scripts/prepare_data.py) list each file's size; `#` starts
+  a comment. `{TOKENIZER}` becomes `tokenizer_id`; relative paths are joined to
+  `base_dir`; then `path_remap` ('PREFIX=REPLACEMENT' strings) rewrites
+  URL-like prefixes to local mirrors.
+  """
+  if not os.path.isfile(mix_file):
+    raise FileNotFoundError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
+                            'file of `label,path` lines (OLMo-core src/olmo_core/data/mixes/*.txt).')
+  paths, labels, sizes = [], [], []
+  with open(mix_file) as f:
+    for line_no, line in enumerate(f, 1):
+      line = line.strip()
+      if not line or line.startswith('#'):
+        continue
+      fields = line.split(',')
+      if len(fields) not in (2, 3) or not fields[1]:
+        raise ValueError(f'{mix_file}:{line_no}: expected `label,path` or `label,path,bytes`, '
+                         f'got {line!r}')
+      if len(fields) == 3 and not fields[2].isdigit():
+        raise ValueError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
+      path = fields[1].replace('{TOKENIZER}', tokenizer_id)
+      if base_dir and '://' not in path and not os.path.isabs(path):
+        path = base_dir.rstrip('/') + '/' + path  # OLMo-core joins mix paths as f'{base_dir}/{path}'
+      paths.append(remap_path(path, path_remap))
+      labels.append(fields[0])
+      sizes.append(int(fields[2]) if len(fields) == 3 else None)
+  if not paths:
+    raise ValueError(f'mix file {mix_file!r} lists no token files (only blanks or comments).')
+  return paths, labels, sizes
+
+
+def remap_path(path: str, path_remap: Sequence[str]) -> str:
+  """Rewrites the first matching 'PREFIX=REPLACEMENT' prefix of `path`."""
+  for rule in path_remap:
+    prefix, sep, replacement = rule.partition('=')
+    if not sep or not prefix:
+      raise ValueError(f'path_remap entry {rule!r} must look like PREFIX=REPLACEMENT, '
+                       "e.g. 's3://ai2-llm/=/data/ai2-llm/'.")
+    if path.startswith(prefix):
+      return replacement + path[len(prefix):]
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+  """One token file: its path, size in bytes, header bytes and token count."""
+  path: str
+  size: int  # bytes on disk: what OLMo-core's fingerprint hashes
+  header: int  # 0 for OLMo-core's raw files; the .npy header length otherwise
+  num_tokens: int
+  label: str = ''
+
+
+def inspect_file(path: str, label: str = '', listed_size: int | None = None) -> TokenFile:
+  """Stats and validates one token file (raw uint32, or a true .npy of uint32)."""
+  if '://' in path:
+    raise FileNotFoundError(f'{path}: remote paths are not read directly; mirror the files locally '
+                            "and map the prefix with cfg.data.path_remap ('s3://bucket/=/local/').")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: token file does not exist (check cfg.data.base_dir, '
+                            'cfg.data.path_remap and the {TOKENIZER} id).')
+  size = os.path.getsize(path)
+  if listed_size is not None and size != listed_size:
+    what = 'shorter' if size < listed_size else 'longer'
+    raise ValueError(f'{path}: file is {size} bytes, {what} than the {listed_size} bytes its mix '
+                     'lists; it was truncated or replaced. Re-copy it or regenerate the mix.')
+  with open(path, 'rb') as f:
+    is_npy = f.read(len(_NPY_MAGIC)) == _NPY_MAGIC
+    if is_npy:
+      f.seek(0)
+      version = np.lib.format.read_magic(f)
+      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                     else np.lib.format.read_array_header_2_0)
+      shape, _, dtype = read_header(f)
+      header = f.tell()
+  if not is_npy:
+    if size % _TOKEN_DTYPE.itemsize:
+      raise ValueError(f'{path}: size {size} bytes is not a multiple of 4, so it is not a uint32 '
+                       'token file (truncated copy, or a uint16/uint8 file?).')
+    return TokenFile(path, size, 0, size // _TOKEN_DTYPE.itemsize, label)
+  if dtype != _TOKEN_DTYPE or len(shape) != 1:
+    raise ValueError(f'{path}: .npy holds {dtype} of shape {shape}; expected 1-D little-endian '
+                     'uint32 tokens.')
+  if size - header != shape[0] * _TOKEN_DTYPE.itemsize:
+    raise ValueError(f'{path}: .npy header says {shape[0]} tokens but the file holds '
+                     f'{(size - header) // 4}; the file is truncated.')
+  return TokenFile(path, size, header, shape[0], label)
+
+
+# ----------------------------------------------------------------------------
+# The dataset.
+
+
+class Dataset:
+  """OLMo-core's `NumpyFSLDataset` over uint32 token files: instance i as int32 [T]."""
+
+  def __init__(self, paths: Sequence[str], *, seq_len: int, vocab_size: int, eos_token_id: int,
+               pad_token_id: int, bos_token_id: int | None = None,
+               max_target_sequence_length: int | None = -1, labels: Sequence[str] | None = None,
+               listed_sizes: Sequence[int | None] | None = None, source: str = 'cfg.data.paths'):
+    """Builds the dataset; `max_target_sequence_length=-1` means seq_len (Ai2's setting)."""
+    if not paths:
+      raise ValueError(f'{source} is empty: the dataset needs at least one token file.')
+    if seq_len <= 0:
+      raise ValueError(f'seq_len must be positive, got {seq_len}.')
+    if max_target_sequence_length == -1:
+      max_target_sequence_length = seq_len  # pretrain-1 sets it to the sequence length (fingerprint)
+    if max_target_sequence_length not in (None, seq_len):
+      raise ValueError(f'max_target_sequence_length={max_target_sequence_length} != seq_len={seq_len}: '
+                       "OLMo-core's sequence-length warm-up chunking is not supported; use None or seq_len.")
+    labels = labels or [''] * len(paths)
+    listed_sizes = listed_sizes or [None] * len(paths)
+    self.files = tuple(inspect_file(p, l, s) for p, l, s in zip(paths, labels, listed_sizes))
+    self.seq_len = seq_len
+    self.vocab_size = vocab_size
+    self.eos_token_id = eos_token_id
+    self.pad_token_id = pad_token_id
+    self.bos_token_id = bos_token_id
+    self.max_target_sequence_length = max_target_sequence_length
+    counts = np.array([f.num_tokens // seq_len for f in self.files], np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(counts)])  # file f owns [starts[f], starts[f+1])
+    self.num_instances = int(self.starts[-1])
+    if self.num_instances == 0:
+      longest = max(self.files, key=lambda f: f.num_tokens)
+      raise ValueError(f'seq_len {seq_len} is larger than every file in {source}; the longest, '
+                       f'{longest.path}, has {longest.num_tokens} tokens. Lower seq_len or add data.')
+    if self.num_instances >= np.iinfo(np.uint32).max:
+      raise ValueError(f'{self.num_instances} instances do not fit OLMo-core\'s uint32 order.')
+    self._maps: collections.OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  @classmethod
+  def from_config(cls, cfg_data: Any, paths: Sequence[str] | None = None) -> 'Dataset':
+    """Builds the training set from cfg.data (mix_file or paths); `paths` overrides both."""
+    base_dir = cfg_data.base_dir
+    remap = tuple(cfg_data.get('path_remap', ()))
+    labels = sizes = None
+    if paths is None and cfg_data.mix_file:
+      if cfg_data.paths:
+        raise ValueError('cfg.data.mix_file and cfg.data.paths are both set; keep one.')
+      paths, labels, sizes = read_mix(cfg_data.mix_file, base_dir=base_dir,
+                                      tokenizer_id=cfg_data.tokenizer_id, path_remap=remap)
+      source = f'mix file {cfg_data.mix_file}'
+    else:
+      source = 'paths' if paths is not None else 'cfg.data.paths'
+      paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
+                          else os.path.join(base_dir, p), remap)
+               for p in (paths if paths is not None else cfg_data.paths)]
+    return cls(paths, seq_len=cfg_data.seq_len, vocab_size=cfg_data.vocab_size,
+               eos_token_id=cfg_data.eos_token_id, pad_token_id=cfg_data.pad_token_id,
+               bos_token_id=cfg_data.get('bos_token_id', None),
+               max_target_sequence_length=cfg_data.get('max_target_sequence_length', -1),
+               labels=labels, listed_sizes=sizes, source=source)
+
+  @property
+  def fingerprint_fields(self) -> dict[str, Any]:
+    """OLMo-core NumpyFSLDataset.fingerprint_fields, in its order (dtype is always uint32)."""
+    return {'vocab_size': self.vocab_size, 'pad_token_id': self.pad_token_id,
+            'eos_token_id': self.eos_token_id, 'dtype': str(np.uint32),
+            'max_target_sequence_length': self.max_target_sequence_length,
+            'bos_token_id': self.bos_token_id}
+
+  @property
+  def fingerprint(self) -> str:
+    """OLMo-core `NumpyDatasetBase.fingerprint` for a `NumpyFSLDataset` (sha256 hex)."""
+    h = hashlib.sha256(b'class=NumpyFSLDataset')
+    for name, value in self.fingerprint_fields.items():
+      h.update(f'{name}={value},'.encode())
+    for f in self.files:
+      h.update(f'path={os.path.basename(f.path)},size={f.size},'.encode())
+    return h.hexdigest()
+
+  def _map(self, f: int) -> tuple[mmap.mmap, np.ndarray]:
+    """File f's mmap and its tokens as a uint32 array view (least-recently-used cache)."""
+    with self._lock:
+      if f in self._maps:
+        self._maps.move_to_end(f)
+        return self._maps[f]
+      file = self.files[f]
+      with open(file.path, 'rb') as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+      # Instances are read at random: no fault read-around (which costs ~5 ms per instance on
+      # sparse or cold files here); read() asks for each instance's bytes with MADV_WILLNEED.
+      mm.madvise(mmap.MADV_RANDOM)
+      self._maps[f] = (mm, np.frombuffer(mm, _TOKEN_DTYPE, file.num_tokens, file.header))
+      if len(self._maps) > _MAX_OPEN_MAPS:
+        self._maps.popitem(last=False)  # unmapped once no batch still views it
+      return self._maps[f]
+
+  def locate(self, i: int) -> tuple[TokenFile, int]:
+    """(file, first token offset in it) of instance i."""
+    f = int(np.searchsorted(self.starts, i, side='right')) - 1
+    return self.files[f], (int(i) - int(self.starts[f])) * self.seq_len
+
+  def read(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens of instances `ids` as int32 [n, T], checked against vocab_size."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.num_instances):
+      raise IndexError(f'instance ids must lie in [0, {self.num_instances}); got '
+                       f'[{ids.min()}, {ids.max()}].')
+    T = self.seq_len
+    tokens_nT = np.empty((ids.size, T), np.int32)
+    raw_nT = tokens_nT.view(np.uint32)  # same-width copy (memcpy); ids >= 2^31 fail the check below
+    file_of = np.searchsorted(self.starts, ids, side='right') - 1
+    start_n = (ids - self.starts[file_of]) * T
+    order = np.argsort(file_of, kind='stable')  # file by file
+    page = mmap.PAGESIZE
+    for k in order:  # first queue every instance's read, so the kernel has them all in flight
+      mm, _ = self._map(int(file_of[k]))
+      begin = (self.files[file_of[k]].header + 4 * int(start_n[k])) // page * page
+      mm.madvise(mmap.MADV_WILLNEED, begin, min(len(mm), self.files[file_of[k]].header
+                                                + 4 * (int(start_n[k]) + T)) - begin)
+    for k in order:
+      raw_nT[k] = self._map(int(file_of[k]))[1][start_n[k]:start_n[k] + T]
+    if raw_nT.size and raw_nT.max() >= self.vocab_size:
+      k, t = np.argwhere(raw_nT >= self.vocab_size)[0]
+      file, offset = self.locate(ids[k])
+      raise ValueError(f'{file.path}: token id {raw_nT[k, t]} at token offset '
+                       f'{offset + t} is >= vocab_size {self.vocab_size}; the file was made with '
+                       'another tokenizer or is corrupt (check cfg.data.vocab_size or re-run '
+                       'scripts/prepare_data.py).')
+    return tokens_nT
+
+  def check_tokens(self, chunk_tokens: int = 1 << 24) -> None:
+    """Scans every token of every file against vocab_size (a full read; use offline)."""
+    for f, file in enumerate(self.files):
+      if file.num_tokens == 0:
+        continue
+      _, mm = self._map(f)
+      for start in range(0, file.num_tokens, chunk_tokens):
+        chunk = mm[start:start + chunk_tokens]
+        if chunk.size and chunk.max() >= self.vocab_size:
+          t = int(np.argmax(chunk >= self.vocab_size))
+          raise ValueError(f'{file.path}: token id {chunk[t]} at token offset {start + t} is '
+                           f'>= vocab_size {self.vocab_size}.')
+
+
+# ----------------------------------------------------------------------------
+# Global order.
+
+
+def _indices_file_name(num_instances: int, seed: int, epoch: int) -> str:
+  # OLMo-core NumpyFSLDataLoader._global_indices_file (fields sorted, chunk omitted, v=1), so an
+  # OLMo-core work_dir and this cache can share files: both are raw uint32 memmaps.
+  return f'global_indices_dataset_size{num_instances}_epoch{epoch}_seed{seed}_v1.npy'
+
+
+@functools.lru_cache(maxsize=4)
+def permutation(num_instances: int, seed: int, epoch: int, cache_dir: str | None = None) -> np.ndarray:
+  """Epoch `epoch`'s global instance order (uint32 [N]), memory mapped from cache_dir.
+
+  OLMo-core NumpyFSLDataLoader._build_global_indices: PCG64(seed + epoch)
+  shuffles arange(N, uint32). The first call builds it in RAM (4N bytes: 2.7 GiB
+  for stage 1) and writes it under OLMo-core's file name, renaming it into place
+  when complete (concurrent builders write identical files); every later call,
+  in any process, memory maps the file read-only. Shuffling the memory-mapped
+  file in place gives the same order but took 1.7x the CPU time (BUILD.md).
+  With cache_dir=None the order is kept in memory (small datasets, tests).
+  """
+  if epoch < 1:
+    raise ValueError(f'epochs count from 1 (OLMo-core reshuffle); got epoch={epoch}.')
+  path = cache_dir and os.path.join(cache_dir, _indices_file_name(num_instances, seed, epoch))
+  if path and os.path.isfile(path) and os.path.getsize(path) == 4 * num_instances:
+    return np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
+  order = np.arange(num_instances, dtype=np.uint32)
+  np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(order)
+  if not path:
+    return order
+  os.makedirs(cache_dir, exist_ok=True)
+  tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+  try:
+    order.tofile(tmp)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  del order
+  return np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
+
+
+def batches_per_epoch(ds: Dataset, global_batch_size: int) -> int:
+  """Full global batches in one epoch (OLMo-core NumpyFSLDataLoader.total_batches)."""
+  if global_batch_size <= 0:
+    raise ValueError(f'global_batch_size must be positive, got {global_batch_size}.')
+  n = ds.num_instances // global_batch_size
+  if n == 0:
+    raise ValueError(f'global_batch_size {global_batch_size} exceeds the {ds.num_instances} '
+                     f'instances of length {ds.seq_len} in the dataset.')
+  return n
+
+
+def global_batch_ids(ds: Dataset, seed: int, epoch: int, step: int, global_batch_size: int,
+                     cache_dir: str | None = None) -> np.ndarray:
+  """Instance ids (uint32 [B]) of global batch `step` (0-based within `epoch`)."""
+  n = batches_per_epoch(ds, global_batch_size)
+  if not 0 <= step < n:
+    raise IndexError(f'epoch {epoch} has {n} batches of {global_batch_size}; step {step} is outside.')
+  order = permutation(ds.num_instances, seed, epoch, cache_dir)
+  return np.array(order[step * global_batch_size:(step + 1) * global_batch_size])
+
+
+# ----------------------------------------------------------------------------
+# Data-parallel split and host sharding.
+
+
+def batch_positions(global_batch_size: int, num_shards: int) -> np.ndarray:
+  """Global-batch position held by each row of the batch array, for W batch shards.
+
+  Contiguous row block s of the array (what JAX puts on batch shard s) holds
+  positions s, s+W, s+2W, ...: exactly OLMo-core data-parallel rank s's
+  instances, in its order (NumpyFSLDataLoader._get_local_instance_indices). The
+  set of instances in a step never depends on W; only which device gets which.
+  """
+  if global_batch_size % num_shards:
+    raise ValueError(f'global_batch_size {global_batch_size} is not divisible by the {num_shards} '
+                     'devices that split the batch; use a multiple of the data-parallel size.')
+  return np.arange(global_batch_size).reshape(-1, num_shards).T.reshape(-1)
+
+
+def _row_slices(index_map: dict, global_batch_size: int) -> set[tuple[int, int]]:
+  return {(s[0].start or 0, global_batch_size if s[0].stop is None else s[0].stop)
+          for s in index_map.values()}
+
+
+def num_batch_shards(sharding: jax.sharding.Sharding, global_batch_size: int, seq_len: int = 1) -> int:
+  """How many distinct row blocks the sharding splits a [B, T] batch into (W)."""
+  return len(_row_slices(sharding.devices_indices_map((global_batch_size, seq_len)),
+                         global_batch_size))
+
+
+def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int, seq_len: int = 1) -> np.ndarray:
+  """Sorted rows of the [B, T] batch array that this process's devices hold."""
+  blocks = _row_slices(sharding.addressable_devices_indices_map((global_batch_size, seq_len)),
+                       global_batch_size)
+  return np.unique(np.concatenate([np.arange(a, b) for a, b in blocks]))
+
+
+def grad_accum_steps(global_batch_size: int, num_shards: int, micro_batch_size: int) -> int:
+  """Micro-batches per step: B / W / micro_batch_size, with an error if it does not divide."""
+  per_shard = global_batch_size // num_shards
+  batch_positions(global_batch_size, num_shards)  # raises if W does not divide B
+  if micro_batch_size <= 0 or per_shard % micro_batch_size:
+    raise ValueError(f'{per_shard} instances per device (global batch {global_batch_size} / '
+                     f'{num_shards} devices) is not a multiple of micro_batch_size {micro_batch_size}; '
+                     'pick cfg.train.micro_batch_size dividing it.')
+  return per_shard // micro_batch_size
+
+
+def make_global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding,
+                      rows: np.ndarray, global_batch_size: int) -> dict[str, jax.Array]:
+  """Global jax.Arrays from only this process's rows (`rows` = local_rows(...), in order).
+
+  `sharding` is the [B, T] batch sharding; [B] arrays use its first axis.
+  """
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise ValueError(f'make_global_batch needs a NamedSharding, got {type(sharding).__name__}.')
+  rows = np.asarray(rows)
+  out = {}
+  for key, local in local_batch.items():
+    shape = (global_batch_size,) + local.shape[1:]
+    spec = tuple(sharding.spec) + (None,) * len(shape)
+    arr_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:len(shape)]))
+
+    def callback(index, local=local, key=key):
+      want = np.arange(global_batch_size)[index[0]]
+      pos = np.searchsorted(rows, want)
+      if pos.size and (pos.max() >= rows.size or not np.array_equal(rows[pos], want)):
+        raise ValueError(f'batch[{key!r}]: a local device needs rows this process did not load; '
+                         'build `rows` with local_rows() from the same sharding.')
+      return local[(pos,) + tuple(index[1:])]
+
+    out[key] = jax.make_array_from_callback(shape, arr_sharding, callback)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Labels, repetition filter, document boundaries.
+
+
+class RepetitionFilter(NamedTuple):
+  """OLMo-core InstanceFilterConfig defaults (the MaxText reproduction's setting)."""
+  max_period: int = 13
+  min_period: int = 1
+  max_count: int = 32
+
+
+def repetition_rejected(tokens_BT: np.ndarray, rf: RepetitionFilter = RepetitionFilter()) -> np.ndarray:
+  """bool [B]: True where OLMo-core's repetition filter rejects the instance.
+
+  OLMo-core (`_validate_instance` over `find_periodic_sequences`) rejects when a
+  run it reports for some period p in [min_period, min(max_period, T // 3)]
+  repeats `times` >= max_count; it reports only runs with times > 2, where
+  times = (L + p) // p for a maximal run of L positions t with x[t] == x[t-p].
+  Its row-reshaping scan finds exactly those runs (every run with times > 2
+  spans a whole aligned row; its padding keeps the wrap-around row from ever
+  matching), so an instance is rejected iff for some p the matches x[t] ==
+  x[t-p] hold on (max(max_count, 3) - 1) * p consecutive positions.
+  """
+  if rf.min_period < 1:
+    raise ValueError(f'repetition filter min_period must be >= 1, got {rf.min_period}.')
+  B, T = tokens_BT.shape
+  rejected_B = np.zeros(B, bool)
+  threshold = max(rf.max_count, 3)  # reported (times > 2) and times >= max_count
+  for p in range(rf.min_period, min(rf.max_period, T // 3) + 1):
+    need = (threshold - 1) * p  # (L + p) // p >= threshold  <=>  L >= need
+    if need > T - p:
+      continue
+    eq_BL = tokens_BT[:, p:] == tokens_BT[:, :-p]
+    rows = np.flatnonzero(np.count_nonzero(eq_BL, axis=1) >= need)  # cheap pre-check
+    if rows.size:
+      count_RL = np.zeros((rows.size, T - p + 1), np.int32)
+      np.cumsum(eq_BL[rows], axis=1, out=count_RL[:, 1:])
+      rejected_B[rows] |= (count_RL[:, need:] - count_RL[:, :-need] == need).any(axis=1)
+  return rejected_B
+
+
+def segment_ids(tokens_BT: np.ndarray, eos_token_id: int) -> np.ndarray:
+  """int32 [B, T] document index per token; an EOS ends (belongs to) its document.
+
+  Matches OLMo-core get_document_lengths (bos_token_id=None): documents end at
+  each EOS, inclusive.
+  """
+  is_eos_BT = tokens_BT == eos_token_id
+  return (np.cumsum(is_eos_BT, axis=1, dtype=np.int32) - is_eos_BT).astype(np.int32)
+
+
+def make_batch(tokens_BT: np.ndarray, *, eos_token_id: int,
+               repetition_filter: RepetitionFilter | None = None,
+               document_masking: bool = False) -> dict[str, np.ndarray]:
+  """The batch dict (COMMON.md): tokens, labels, instance_mask[, segment_ids].
+
+  Labels are the inputs shifted left with the last position ignored (OLMo-core
+  get_labels). A rejected instance keeps its labels; `instance_mask` tells the
+  loss to drop its terms while still counting them in the denominator.
+  """
+  labels_BT = np.empty_like(tokens_BT)
+  labels_BT[:, :-1] = tokens_BT[:, 1:]
+  labels_BT[:, -1] = IGNORE_INDEX
+  if repetition_filter is None:
+    mask_B = np.ones(tokens_BT.shape[0], bool)
+  else:
+    mask_B = ~repetition_rejected(tokens_BT, repetition_filter)
+  batch = {'tokens': tokens_BT, 'labels': labels_BT, 'instance_mask': mask_B}
+  if document_masking:
+    batch['segment_ids'] = segment_ids(tokens_BT, eos_token_id)
+  return batch
+
+
+def validation_batches(ds: Dataset, batch_size: int, num_batches: int, *,
+                       document_masking: bool = False) -> list[dict[str, np.ndarray]]:
+  """Fixed held-out batches: instances 0, 1, ... in file order (no shuffle, no filter)."""
+  n = min(num_batches, ds.num_instances // batch_size)
+  if n == 0:
+    raise ValueError(f'the validation set has {ds.num_instances} instances of length {ds.seq_len}, '
+                     f'fewer than one batch of {batch_size}.')
+  return [make_batch(ds.read(np.arange(b * batch_size, (b + 1) * batch_size)),
+                     eos_token_id=ds.eos_token_id, document_masking=document_masking)
+          for b in range(n)]
+
+
+# ----------------------------------------------------------------------------
+# Resume checks and the prefetching loader.
+
+
+def check_resume(state: dict[str, Any], ds: Dataset, allow_changed: bool = False) -> None:
+  """Refuses to resume on data that differs from the checkpoint's, naming the change.
+
+  Files are compared in mix order by basename and size (what OLMo-core's
+  fingerprint hashes), so moving the data to another directory is allowed.
+  """
+  same_len = state.get('seq_len', ds.seq_len) == ds.seq_len
+  if state.get('fingerprint') == ds.fingerprint and same_len:
+    return
+  problems = [] if same_len else [f'seq_len {state["seq_len"]} -> {ds.seq_len}']
+  problems += [f'{k} {v} -> {ds.fingerprint_fields[k]}' for k, v in state.get('fields', {}).items()
+               if ds.fingerprint_fields.get(k) != v]
+  old = [(str(p), int(s)) for p, s in state.get('files', [])]
+  new = [(f.path, f.size) for f in ds.files]
+  for i, (o, n) in enumerate(zip(old, new)):
+    if (os.path.basename(o[0]), o[1]) != (os.path.basename(n[0]), n[1]):
+      problems.append(f'file #{i} was {o[0]} ({o[1]} bytes), is {n[0]} ({n[1]} bytes)')
+  problems += [f'file #{i} {p} ({s} bytes) was removed' for i, (p, s) in enumerate(old) if i >= len(new)]
+  problems += [f'file #{i} {p} ({s} bytes) was added' for i, (p, s) in enumerate(new) if i >= len(old)]
+  if not problems:
+    problems.append('the fingerprint fields differ')
+  more = f'; and {len(problems) - 10} more' if len(problems) > 10 else ''
+  message = (f"the data differs from the checkpoint's (fingerprint {state.get('fingerprint')} -> "
+             f'{ds.fingerprint}): ' + '; '.join(problems[:10]) + more
+             + '. Resuming would change the data order. Restore the original files, or pass '
+             'allow_changed=True (cfg.data.allow_data_change) to resume anyway.')
+  if not allow_changed:
+    raise ValueError(message)
+
+
+class Loader:
+  """Iterator over global batches for (epoch, step), (epoch, step + 1), ...
+
+  A background thread reads ahead `prefetch` batches. Each process reads only
+  the rows its devices hold when a `sharding` (for [B, T]) is given and then
+  yields global jax.Arrays; without one it yields the whole batch as numpy.
+  After an epoch's last batch it continues with epoch + 1, step 0 (OLMo-core
+  trainer behaviour), unless stop_at_epoch_end, which ends the iteration.
+  """
+
+  def __init__(self, ds: Dataset, *, seed: int, global_batch_size: int, epoch: int = 1,
+               step: int = 0, cache_dir: str | None = None,
+               sharding: jax.sharding.NamedSharding | None = None,
+               repetition_filter: RepetitionFilter | None = None, document_masking: bool = False,
+               prefetch: int = 2, stop_at_epoch_end: bool = False):
+    self.ds, self.seed, self.global_batch_size = ds, seed, global_batch_size
+    self.batches_per_epoch = batches_per_epoch(ds, global_batch_size)
+    if epoch < 1 or not 0 <= step < self.batches_per_epoch:
+      raise ValueError(f'start (epoch {epoch}, step {step}) is outside epochs >= 1 and steps '
+                       f'[0, {self.batches_per_epoch}).')
+    self.epoch, self.step = epoch, step  # the next batch to be yielded
+    self.cache_dir, self.sharding = cache_dir, sharding
+    self.repetition_filter, self.document_masking = repetition_filter, document_masking
+    self.stop_at_epoch_end = stop_at_epoch_end
+    B, T = global_batch_size, ds.seq_len
+    if sharding is None:
+      self.rows = np.arange(B)
+      self.positions = self.rows
+    else:
+      self.rows = local_rows(sharding, B, T)
+      self.positions = batch_positions(B, num_batch_shards(sharding, B, T))[self.rows]
+    self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  @classmethod
+  def from_config(cls, cfg_data: Any, ds: Dataset, *, state: dict[str, Any] | None = None,
+                  cache_dir: str | None = None, sharding=None) -> 'Loader':
+    """A loader for cfg.data, resuming from a saved `state` when given."""
+    start = dict(epoch=1, step=0, seed=cfg_data.seed)
+    if state is not None:
+      check_resume(state, ds, allow_changed=cfg_data.get('allow_data_change', False))
+      if state['global_batch_size'] != cfg_data.global_batch_size:
+        raise ValueError(f'the checkpoint was trained with global batch {state["global_batch_size"]}, '
+                         f'cfg.data.global_batch_size is {cfg_data.global_batch_size}; steps would '
+                         'index different batches. Keep the batch size when resuming.')
+      start = dict(epoch=state['epoch'], step=state['step'], seed=state['seed'])
+    return cls(ds, global_batch_size=cfg_data.global_batch_size, cache_dir=cache_dir,
+               sharding=sharding, document_masking=cfg_data.document_masking,
+               repetition_filter=RepetitionFilter() if cfg_data.repetition_filter else None,
+               prefetch=cfg_data.prefetch, **start)
+
+  def state(self) -> dict[str, Any]:
+    """JSON-able position of the next batch plus what identifies the data."""
+    return {'seed': self.seed, 'epoch': self.epoch, 'step': self.step,
+            'global_batch_size': self.global_batch_size, 'seq_len': self.ds.seq_len,
+            'num_instances': self.ds.num_instances, 'fingerprint': self.ds.fingerprint,
+            'fingerprint_version': FINGERPRINT_VERSION, 'fields': self.ds.fingerprint_fields,
+            'files': [[f.path, f.size] for f in self.ds.files]}
+
+  def _next_position(self, epoch: int, step: int) -> tuple[int, int] | None:
+    if step + 1 < self.batches_per_epoch:
+      return epoch, step + 1
+    return None if self.stop_at_epoch_end else (epoch + 1, 0)
+
+  def batch_at(self, epoch: int, step: int) -> dict[str, Any]:
+    """This process's part of the batch for (epoch, step); global arrays if sharded."""
+    ids = global_batch_ids(self.ds, self.seed, epoch, step, self.global_batch_size, self.cache_dir)
+    batch = make_batch(self.ds.read(ids[self.positions]), eos_token_id=self.ds.eos_token_id,
+                       repetition_filter=self.repetition_filter,
+                       document_masking=self.document_masking)
+    if self.sharding is not None:
+      batch = make_global_batch(batch, self.sharding, self.rows, self.global_batch_size)
+    return batch
+
+  def _produce(self) -> None:
+    position: tuple[int, int] | None = (self.epoch, self.step)
+    try:
+      while position is not None and not self._stop.is_set():
+        item = (position, self.batch_at(*position))
+        while not self._stop.is_set():
+          try:
+            self._queue.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        position = self._next_position(*position)
+      self._queue.put((None, StopIteration()))
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised in the consumer
+      self._queue.put((None, e))
+
+  def __iter__(self) -> Iterator[dict[str, Any]]:
+    return self
+
+  def __next__(self) -> dict[str, Any]:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._produce, daemon=True, name='data-prefetch')
+      self._thread.start()
+    position, batch = self._queue.get()
+    if position is None:
+      self._thread = None
+      raise batch
+    nxt = self._next_position(*position)
+    self.epoch, self.step = nxt if nxt is not None else (position[0] + 1, 0)
+    return batch
+
+  def close(self) -> None:
+    """Stops the prefetch thread (safe to call twice)."""
+    self._stop.set()
+    if self._thread is not None:
+      while self._thread.is_alive():
+        try:
+          self._queue.get(timeout=0.1)
+        except queue.Empty:
+          pass
+      self._thread = None
+
+  def __enter__(self) -> 'Loader':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

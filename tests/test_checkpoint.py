@@ -1,0 +1,445 @@
+"""Tests for checkpoint.py: bit-exact round trips, resharding, atomicity, faults.
+
+References are the numpy arrays the states are built from (kept on the host,
+never read back from a checkpoint) and, for casts, XLA's own convert.
+Shapes: W_RC is a [rows, cols] matrix, v_N a vector. Runs on the 8 simulated
+CPU devices set up by tests/conftest.py.
+"""
+
+import json
+import logging
+import os
+import pathlib
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# fsync dominates these tiny saves on a busy disk; the round-trip, IO-error and
+# two-process tests keep it on, as in training.
+FAST = {'fsync': False}
+
+
+class AdamLike(typing.NamedTuple):
+  count: typing.Any
+  mu: typing.Any
+
+
+def _mesh(shape, names, n=None):
+  devices = np.array(jax.devices()[:n or int(np.prod(shape))]).reshape(shape)
+  return jax.sharding.Mesh(devices, names)
+
+
+def _bits(a) -> np.ndarray:
+  a = np.asarray(a)
+  return a.view(f'u{a.dtype.itemsize}') if a.dtype.itemsize > 1 else a.view(np.uint8)
+
+
+def _reference(seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  return {
+      'W_RC': rng.standard_normal((16, 12), dtype=np.float32),
+      'Wt_RC': rng.standard_normal((6, 16), dtype=np.float32),
+      'v_N': rng.standard_normal(16, dtype=np.float32).astype(jnp.bfloat16),
+      'i_RC': rng.integers(-2**31, 2**31 - 1, (8, 4), dtype=np.int32),
+      'u_N': rng.integers(0, 2**32 - 1, 8, dtype=np.uint32),
+      'count': np.int32(seed + 7),
+  }
+
+
+SAVE_SPECS = {'W_RC': P('fsdp'), 'Wt_RC': P(None, 'fsdp'), 'v_N': P('fsdp'),
+              'i_RC': P('fsdp'), 'u_N': P(), 'count': P()}
+
+
+def _state(ref: dict, mesh) -> dict:
+  """A train-state-shaped pytree sharded FSDP-style (SAVE_SPECS) over `mesh`."""
+  put = lambda name: jax.device_put(ref[name], NamedSharding(mesh, SAVE_SPECS[name]))
+  return {
+      'params': {'dense': {'W_RC': put('W_RC'), 'Wt_RC': put('Wt_RC')},
+                 'norm': {'v_N': put('v_N')}},
+      'opt_state': (AdamLike(count=put('count'), mu={'i_RC': put('i_RC'), 'u_N': put('u_N')}),),
+      'python_scalar': 3,
+      'host_array': np.arange(5, dtype=np.int64) + ref['count'],
+  }
+
+
+def _target(ref: dict, sharding_of, dtype=None) -> dict:
+  """ShapeDtypeStructs with shardings from `sharding_of(name, ndim)`."""
+  sds = lambda name: jax.ShapeDtypeStruct(
+      ref[name].shape, dtype or ref[name].dtype, sharding=sharding_of(name, ref[name].ndim))
+  return {
+      'params': {'dense': {'W_RC': sds('W_RC'), 'Wt_RC': sds('Wt_RC')},
+                 'norm': {'v_N': sds('v_N')}},
+      'opt_state': (AdamLike(count=jax.ShapeDtypeStruct(
+          (), np.int32, sharding=sharding_of('count', 0)),
+                             mu={'i_RC': jax.ShapeDtypeStruct(
+                                 ref['i_RC'].shape, np.int32,
+                                 sharding=sharding_of('i_RC', 2)),
+                                 'u_N': jax.ShapeDtypeStruct(
+                                     ref['u_N'].shape, np.uint32,
+                                     sharding=sharding_of('u_N', 1))}),),
+      'python_scalar': 0,
+      'host_array': np.zeros(5, np.int64),
+  }
+
+
+def _check_restored(state: dict, ref: dict) -> None:
+  """Every leaf equals its reference bit for bit, shard by shard."""
+  leaves = {
+      'W_RC': state['params']['dense']['W_RC'], 'Wt_RC': state['params']['dense']['Wt_RC'],
+      'v_N': state['params']['norm']['v_N'], 'count': state['opt_state'][0].count,
+      'i_RC': state['opt_state'][0].mu['i_RC'], 'u_N': state['opt_state'][0].mu['u_N'],
+  }
+  for name, x in leaves.items():
+    assert x.dtype == ref[name].dtype, name
+    np.testing.assert_array_equal(_bits(x), _bits(ref[name]), err_msg=name)
+    for shard in x.addressable_shards:
+      np.testing.assert_array_equal(_bits(shard.data), _bits(ref[name][shard.index]),
+                                    err_msg=f'{name} shard {shard.index}')
+  assert state['python_scalar'] == 3 and isinstance(state['python_scalar'], int)
+  np.testing.assert_array_equal(state['host_array'], np.arange(5) + ref['count'])
+
+
+def _save(directory, steps, **kwargs) -> None:
+  """Saves _reference(step) at each step, FSDP-sharded over 8 devices."""
+  mesh8 = _mesh((8,), ('fsdp',))
+  with checkpoint.Checkpointer(str(directory), **(FAST | kwargs)) as ckpt:
+    for step in steps:
+      ckpt.save(step, _state(_reference(step), mesh8), {'data': {'epoch': 0}})
+
+
+def _replicated_on(n):
+  mesh = _mesh((n,), ('fsdp',))
+  return lambda name, ndim: NamedSharding(mesh, P())
+
+
+def _chunk_file(directory, step, name='params/dense/W_RC', key='c/1/0'):
+  return pathlib.Path(directory) / f'step_{step}' / 'arrays' / name / key
+
+
+def test_round_trip_is_bit_exact_with_metadata(tmp_path):
+  ref = _reference(1)
+  mesh8 = _mesh((8,), ('fsdp',))
+  with checkpoint.Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(5, _state(ref, mesh8), {'config': {'d_model': 4}, 'rng': [1, 2]})
+    ckpt.wait()
+    assert ckpt.committed_steps() == [5] and ckpt.latest_step() == 5
+    state, meta = ckpt.restore(
+        _target(ref, lambda name, ndim: NamedSharding(mesh8, SAVE_SPECS[name])))
+  _check_restored(state, ref)
+  assert meta == {'config': {'d_model': 4}, 'rng': [1, 2], 'step': 5}
+  assert checkpoint.read_metadata(str(tmp_path)) == meta
+  info = json.loads((tmp_path / 'step_5' / checkpoint.METADATA).read_text())
+  assert info['arrays']['params/dense/W_RC']['shape'] == [16, 12]
+  assert info['arrays']['params/norm/v_N']['dtype'] == 'bfloat16'
+  assert len(info['arrays']['params/dense/W_RC']['checksums']) == 8  # one per FSDP shard
+  assert 'opt_state/0/mu/u_N' in info['paths']
+
+
+@pytest.mark.parametrize('layout', ['2 devices', '1 device', '2x4 mesh', '4x2 transposed'])
+def test_restore_reshards_onto_other_meshes(tmp_path, layout):
+  _save(tmp_path, [1])
+  ref = _reference(1)
+  if layout == '2 devices':
+    mesh = _mesh((2,), ('fsdp',))
+    sharding_of = lambda name, ndim: NamedSharding(mesh, P(*(['fsdp'] + [None] * ndim)[:ndim]))
+  elif layout == '1 device':
+    device = jax.devices()[0]
+    sharding_of = lambda name, ndim: jax.sharding.SingleDeviceSharding(device)
+  else:
+    mesh = _mesh((2, 4) if layout == '2x4 mesh' else (4, 2), ('data', 'model'))
+    # Rows over the size-2 axis, columns over the size-4 one: crosses the saved chunks.
+    rows, cols = ('data', 'model') if layout == '2x4 mesh' else ('model', 'data')
+    specs = {0: P(), 1: P('model'), 2: P(rows, cols)}
+    sharding_of = lambda name, ndim: NamedSharding(mesh, specs[ndim])
+  state, _ = checkpoint.restore(str(tmp_path), _target(ref, sharding_of))
+  _check_restored(state, ref)
+  assert state['params']['dense']['W_RC'].sharding == sharding_of('W_RC', 2)
+
+
+def test_subdivided_chunks_and_empty_arrays(tmp_path):
+  """Shards split into several chunks (chunk_bytes=64) still restore onto another mesh."""
+  _save(tmp_path, [1], chunk_bytes=64)
+  info = json.loads((tmp_path / 'step_1' / checkpoint.METADATA).read_text())
+  w = info['arrays']['params/dense/W_RC']
+  # A [2, 12] fp32 shard is 96 bytes: split its rows by 2 -> 16 chunks of 48 bytes.
+  assert w['chunk_shape'] == [1, 12] and len(w['checksums']) == 16
+  mesh = _mesh((2, 4), ('data', 'model'))
+  sharding_of = lambda name, ndim: NamedSharding(mesh, {0: P(), 1: P('model'),
+                                                        2: P('data', 'model')}[ndim])
+  state, _ = checkpoint.restore(str(tmp_path), _target(_reference(1), sharding_of))
+  _check_restored(state, _reference(1))
+  empty = {'e_RC': jnp.zeros((0, 4)), 'h_RC': np.zeros((3, 0), np.int32)}
+  with checkpoint.Checkpointer(str(tmp_path / 'empty'), **FAST) as ckpt:
+    ckpt.save(1, empty)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  state, _ = checkpoint.restore(str(tmp_path / 'empty'), {
+      'e_RC': jax.ShapeDtypeStruct((0, 4), jnp.float32, sharding=device),
+      'h_RC': np.zeros((3, 0), np.int32)})
+  assert state['e_RC'].shape == (0, 4) and state['h_RC'].shape == (3, 0)
+
+
+def test_restore_casts_float_dtypes(tmp_path):
+  _save(tmp_path, [1])
+  ref = _reference(1)
+  state, _ = checkpoint.restore(
+      str(tmp_path), _target(ref, _replicated_on(2)) | {
+          'params': {'dense': {name: jax.ShapeDtypeStruct(
+              ref[name].shape, jnp.bfloat16, sharding=_replicated_on(2)(name, 2))
+                               for name in ('W_RC', 'Wt_RC')},
+                     'norm': {'v_N': jax.ShapeDtypeStruct(
+                         (16,), jnp.float32, sharding=_replicated_on(2)('v_N', 1))}}})
+  w = state['params']['dense']['W_RC']
+  assert w.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(_bits(w), _bits(jnp.asarray(ref['W_RC']).astype(jnp.bfloat16)))
+  v = state['params']['norm']['v_N']
+  assert v.dtype == jnp.float32  # bf16 -> fp32 widening is exact
+  np.testing.assert_array_equal(np.asarray(v), ref['v_N'].astype(np.float64))
+  bad = _target(ref, _replicated_on(1))
+  bad['opt_state'][0].mu['i_RC'] = jax.ShapeDtypeStruct(
+      (8, 4), np.float32, sharding=_replicated_on(1)('i_RC', 2))
+  with pytest.raises(ValueError, match=r'opt_state/0/mu/i_RC.*int32 cannot be restored as float32'):
+    checkpoint.restore(str(tmp_path), bad)
+
+
+def test_mismatch_errors_name_the_array(tmp_path):
+  _save(tmp_path, [1])
+  ref = _reference(1)
+  target = _target(ref, _replicated_on(1))
+  target['params']['dense']['W_RC'] = jax.ShapeDtypeStruct(
+      (16, 13), np.float32, sharding=_replicated_on(1)('W_RC', 2))
+  with pytest.raises(ValueError, match=r'params/dense/W_RC.*\(16, 12\).*\(16, 13\)'):
+    checkpoint.restore(str(tmp_path), target)
+  target['params']['dense']['W_RC'] = jax.ShapeDtypeStruct((16, 12), np.float32)
+  with pytest.raises(ValueError, match=r'params/dense/W_RC: sharding None'):
+    checkpoint.restore(str(tmp_path), target)
+  target = _target(ref, _replicated_on(1))
+  target['params']['extra'] = {'b': np.zeros(3, np.float32)}
+  del target['params']['norm']
+  with pytest.raises(ValueError, match=r"missing from the checkpoint \['params/extra/b'\].*"
+                     r"not in the target \['params/norm/v_N'\]"):
+    checkpoint.restore(str(tmp_path), target)
+  with pytest.raises(FileNotFoundError, match='No checkpoint for step 9'):
+    checkpoint.restore(str(tmp_path), _target(ref, _replicated_on(1)), step=9)
+  with pytest.raises(FileNotFoundError, match='No committed checkpoint'):
+    checkpoint.restore(str(tmp_path / 'empty'), target)
+
+
+@pytest.mark.parametrize('damage', ['flipped byte', 'truncated chunk', 'missing chunk',
+                                    'truncated metadata'])
+def test_corruption_is_detected_and_falls_back(tmp_path, caplog, damage):
+  _save(tmp_path, [1, 2])
+  chunk = _chunk_file(tmp_path, 2)
+  if damage == 'flipped byte':
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x10
+    chunk.write_bytes(bytes(data))
+  elif damage == 'truncated chunk':
+    chunk.write_bytes(chunk.read_bytes()[:7])
+  elif damage == 'missing chunk':
+    chunk.unlink()
+  else:
+    meta = tmp_path / 'step_2' / checkpoint.METADATA
+    meta.write_text(meta.read_text()[:100])
+  target = _target(_reference(0), _replicated_on(2))
+  expected = 'metadata' if damage == 'truncated metadata' else 'params/dense/W_RC c/1/0'
+  with pytest.raises(checkpoint.CorruptCheckpointError, match=expected):
+    checkpoint.restore(str(tmp_path), target, step=2)
+  with caplog.at_level(logging.WARNING):
+    state, meta = checkpoint.restore_latest_good(str(tmp_path), target)
+  assert meta['step'] == 1
+  _check_restored(state, _reference(1))
+  assert any('step 2' in r.getMessage() and 'corrupt' in r.getMessage() for r in caplog.records)
+  # The corrupt one is moved aside: the next resume and the next save of step 2
+  # never see it.
+  assert checkpoint.committed_steps(str(tmp_path)) == [1]
+  assert [p.name.split('.')[:2] for p in tmp_path.glob('corrupt.*')] == [['corrupt', 'step_2']]
+
+
+def test_incomplete_and_partial_dirs_are_ignored_then_removed(tmp_path):
+  _save(tmp_path, [1, 2])
+  (tmp_path / 'step_2' / checkpoint.COMMIT).unlink()  # crash between rename and marker
+  (tmp_path / 'tmp.step_3.dead').mkdir()  # crash mid-write
+  (tmp_path / 'tmp.step_3.dead' / 'junk').write_bytes(b'x')
+  assert checkpoint.committed_steps(str(tmp_path)) == [1]
+  assert checkpoint.latest_step(str(tmp_path)) == 1
+  with pytest.raises(FileNotFoundError, match='incomplete'):
+    checkpoint.restore(str(tmp_path), _target(_reference(), _replicated_on(1)), step=2)
+  state, meta = checkpoint.restore(str(tmp_path), _target(_reference(), _replicated_on(1)))
+  assert meta['step'] == 1
+  _save(tmp_path, [4])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['step_1', 'step_4']
+
+
+def test_crash_mid_save_keeps_previous_and_surfaces_error(tmp_path, monkeypatch):
+  _save(tmp_path, [1])
+  real, calls = checkpoint._checksum, []
+
+  def failing_checksum(a):
+    calls.append(1)
+    if len(calls) == 3:  # fail while the writer is mid-way through the arrays
+      raise RuntimeError('injected writer fault')
+    return real(a)
+
+  monkeypatch.setattr(checkpoint, '_checksum', failing_checksum)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
+  ckpt.save(2, _state(_reference(2), _mesh((8,), ('fsdp',))))
+  with pytest.raises(RuntimeError, match='injected writer fault'):
+    ckpt.wait()
+  ckpt.wait()  # the error is reported once, then the checkpointer is usable again
+  assert checkpoint.committed_steps(str(tmp_path)) == [1]
+  assert [p.name for p in tmp_path.iterdir()] == ['step_1']
+  state, _ = ckpt.restore(_target(_reference(1), _replicated_on(2)))
+  _check_restored(state, _reference(1))
+  # An error not collected by wait() is raised by the next save().
+  calls.clear()
+  ckpt.save(3, _state(_reference(3), _mesh((8,), ('fsdp',))))
+  with pytest.raises(RuntimeError, match='injected writer fault'):
+    ckpt.save(4, _state(_reference(4), _mesh((8,), ('fsdp',))))
+  ckpt.save(4, _state(_reference(4), _mesh((8,), ('fsdp',))))
+  ckpt.close()
+  assert checkpoint.committed_steps(str(tmp_path)) == [1, 4]
+
+
+def test_io_error_during_save_fails_loudly(tmp_path):
+  """A real write error from the kernel (EFBIG from RLIMIT_FSIZE, like ENOSPC)."""
+  _save(tmp_path, [1])
+  big = {'w': jnp.ones((1024, 1024), jnp.float32)}  # one 4 MiB chunk
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+  try:
+    ckpt.save(2, big)
+    with pytest.raises(RuntimeError, match='save of step 2 .* failed.*File too large'):
+      ckpt.wait()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, old_handler)
+  assert [p.name for p in tmp_path.iterdir()] == ['step_1']
+  state, _ = ckpt.restore(_target(_reference(1), _replicated_on(1)))
+  _check_restored(state, _reference(1))
+  ckpt.close()
+
+
+def test_retention_keeps_last_n_and_every_m(tmp_path):
+  with checkpoint.Checkpointer(str(tmp_path), keep_last=2, keep_every=4, **FAST) as ckpt:
+    for step in range(1, 10):
+      ckpt.save(step, {'x': jnp.full((2,), step)})
+      if step == 6:
+        ckpt.wait()
+        assert ckpt.committed_steps() == [4, 5, 6]
+  assert checkpoint.committed_steps(str(tmp_path)) == [4, 8, 9]
+  with checkpoint.Checkpointer(str(tmp_path), keep_last=1, **FAST) as ckpt:
+    ckpt.save(10, {'x': jnp.full((2,), 10)})
+  assert checkpoint.committed_steps(str(tmp_path)) == [10]
+  with pytest.raises(ValueError, match='keep_last'):
+    checkpoint.Checkpointer(str(tmp_path), keep_last=0)
+
+
+def test_async_save_survives_donation_and_deletion(tmp_path, monkeypatch):
+  ref = _reference(3)
+  state = _state(ref, _mesh((8,), ('fsdp',)))
+  gate = threading.Event()  # holds the writer until the sources are gone
+  write_local = checkpoint._write_local
+  monkeypatch.setattr(checkpoint, '_write_local', lambda *a: gate.wait() and write_local(*a))
+  ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
+  ckpt.save(1, state)
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
+  arrays = {'params': state['params'], 'opt_state': state['opt_state']}
+  new = jax.block_until_ready(step(arrays))
+  for x in jax.tree.leaves(arrays):
+    x.delete()
+  state['host_array'][:] = -1  # host leaves are copied too
+  # Fresh buffers of the same sizes would reuse any freed memory the writer still reads.
+  jax.block_until_ready([x * 0 - 2 - i for x in jax.tree.leaves(new) for i in range(8)])
+  gate.set()
+  ckpt.save(2, state | new)  # waits for step 1 first: at most one save in flight
+  ckpt.wait()
+  restored, _ = ckpt.restore(_target(ref, _replicated_on(8)), step=1)
+  _check_restored(restored, ref)
+  ckpt.close()
+
+
+def test_ocdbt_round_trip_and_reshard(tmp_path):
+  _save(tmp_path, [1, 2], use_ocdbt=True)
+  assert (tmp_path / 'step_2' / 'ocdbt').is_dir()
+  mesh = _mesh((2, 2), ('data', 'model'))
+  sharding_of = lambda name, ndim: NamedSharding(mesh, {0: P(), 1: P('model'),
+                                                        2: P('data', 'model')}[ndim])
+  state, meta = checkpoint.restore(str(tmp_path), _target(_reference(2), sharding_of))
+  assert meta['step'] == 2
+  _check_restored(state, _reference(2))
+
+
+_WORKER = r'''
+import os, sys
+os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+import jax
+jax.distributed.initialize(f'localhost:{sys.argv[2]}', num_processes=2,
+                           process_id=int(sys.argv[1]))
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import checkpoint
+
+directory = sys.argv[3]
+mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+ref = np.random.default_rng(0).standard_normal((16, 12), dtype=np.float32)
+target = {'w': jax.ShapeDtypeStruct((16, 12), np.float32,
+                                    sharding=NamedSharding(mesh, P('fsdp', 'data'))),
+          'r': jax.ShapeDtypeStruct((3,), np.float32, sharding=NamedSharding(mesh, P()))}
+ckpt = checkpoint.Checkpointer(directory, keep_last=1)
+state, meta = ckpt.restore_latest_good(target)
+assert meta['step'] == 1, meta
+for shard in state['w'].addressable_shards:
+  np.testing.assert_array_equal(np.asarray(shard.data), ref[shard.index])
+ckpt.save(2, {'w': jax.jit(lambda x: x + 1)(state['w']), 'r': state['r'], 'n': 5},
+          {'process_count': jax.process_count()})
+ckpt.close()
+print('worker ok', jax.process_index())
+'''
+
+
+@pytest.mark.slow
+def test_two_processes_restore_and_save_cooperatively(tmp_path):
+  """Saved by 1 process on 8 devices, restored and re-saved by 2 processes x 4."""
+  ref = np.random.default_rng(0).standard_normal((16, 12), dtype=np.float32)
+  mesh8 = _mesh((8,), ('fsdp',))
+  with checkpoint.Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(1, {'w': jax.device_put(ref, NamedSharding(mesh8, P('fsdp'))),
+                  'r': jax.device_put(np.arange(3.0, dtype=np.float32),
+                                      NamedSharding(mesh8, P()))})
+  (tmp_path / 'worker.py').write_text(_WORKER)
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS='')
+  procs = [subprocess.Popen([sys.executable, str(tmp_path / 'worker.py'), str(i), str(port),
+                             str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=240)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0 and f'worker ok {i}' in out, out[-3000:]
+  assert checkpoint.committed_steps(str(tmp_path)) == [2]
+  info = json.loads((tmp_path / 'step_2' / checkpoint.METADATA).read_text())
+  assert info['process_count'] == 2 and info['metadata']['process_count'] == 2
+  target = {'w': jax.ShapeDtypeStruct((16, 12), np.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+            'r': np.zeros(3, np.float32), 'n': 0}
+  state, _ = checkpoint.restore(str(tmp_path), target)
+  np.testing.assert_array_equal(np.asarray(state['w']), ref + 1)
+  np.testing.assert_array_equal(state['r'], np.arange(3.0))
+  assert state['n'] == 5

@@ -1,0 +1,264 @@
+"""Tests for kernels/: Pallas flash attention in TPU interpret mode on CPU.
+
+Oracle: a float64 numpy attention written out below (forward and the textbook
+softmax backward), independent of the kernels and of reference_attention.
+
+Shape glossary: B batch, T time, H query heads, G kv heads, K head_dim.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+import kernels
+
+fa = importlib.import_module('kernels.flash_attention')  # the module, not the function
+
+# Tolerances, as max |kernel - oracle| / max |oracle| per output array.
+# f32: the kernel differs from float64 only by f32 rounding in dots, exp and the
+#   online-softmax rescaling, a few ulps (6e-8) amplified by sums over <= T=512
+#   terms; observed <= 2e-6, so 1e-5 leaves margin but catches any masking or
+#   indexing bug (those give errors of order 1).
+# bf16: the oracle sees the same bf16 inputs; the kernel rounds the
+#   probabilities, dS and the outputs to bf16 (relative step 2^-8 = 3.9e-3), so
+#   1e-2 is about two bf16 steps; observed <= 4.2e-3 (the f32 XLA reference
+#   on the same inputs: <= 3.5e-3).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _mask_np(t, window, segment_ids):
+  """[B, T, T] bool: query i sees key j."""
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  m = j <= i
+  if window is not None:
+    m &= i - j < window
+  m = np.broadcast_to(m, (segment_ids.shape[0] if segment_ids is not None else 1, t, t))
+  if segment_ids is not None:
+    m = m & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  return m
+
+
+def attention_np(q, k, v, do, window, segment_ids):
+  """float64 outputs and (dq, dk, dv) for a given output cotangent do."""
+  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  b, t, h, d = q.shape
+  r = h // k.shape[2]
+  k_h, v_h = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)  # head h -> h // r
+  scale = d**-0.5
+  s = np.einsum('bihd,bjhd->bhij', q, k_h) * scale
+  mask = _mask_np(t, window, None if segment_ids is None else np.asarray(segment_ids))
+  s = np.where(mask[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  o = np.einsum('bhij,bjhd->bihd', p, v_h)
+  dp = np.einsum('bihd,bjhd->bhij', do, v_h)
+  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+  dq = np.einsum('bhij,bjhd->bihd', ds, k_h) * scale
+  dk_h = np.einsum('bhij,bihd->bjhd', ds, q) * scale
+  dv_h = np.einsum('bhij,bihd->bjhd', p, do)
+  group = lambda x: x.reshape(b, t, -1, r, d).sum(3)  # sum the R heads per kv head
+  return o, (dq, group(dk_h), group(dv_h))
+
+
+def _inputs(seed, b, t, h, g, d, dtype, with_segments):
+  rng = np.random.default_rng(seed)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), dtype)
+                 for s in ((b, t, h, d), (b, t, g, d), (b, t, g, d), (b, t, h, d)))
+  seg = None
+  if with_segments:  # three documents of uneven length, boundaries inside blocks
+    cuts = np.sort(rng.choice(np.arange(1, t), size=2, replace=False))
+    seg = jnp.asarray(np.searchsorted(cuts, np.arange(t), side='right')[None]
+                      .repeat(b, 0), jnp.int32)
+  return q, k, v, do, seg
+
+
+def _rel_err(x, ref):
+  # Floor 1: inputs are unit normal, so dS = P * (dP - D) cancels O(1) terms
+  # even where the true gradient is exactly 0 (dq when window=1: a softmax
+  # over a single key); the f32 error there is relative to those terms.
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1.0)
+
+
+# (T, H, G, K, window, segments, dtype, block_q, block_kv); the id says what a
+# row adds. Blocks of 128-256 keep interpret mode cheap while T spans 2-4 blocks.
+F32, BF16 = jnp.float32, jnp.bfloat16
+CASES = [
+    pytest.param(512, 2, 2, 128, None, False, F32, 128, 128, id='causal-mha-4blocks'),
+    pytest.param(512, 4, 1, 128, 64, False, F32, 128, 128, id='window<block-gqa4'),
+    pytest.param(384, 8, 1, 256, 128, False, F32, 128, 128, id='window=block-gqa8-k256'),
+    pytest.param(512, 4, 1, 128, 300, True, F32, 128, 128, id='window>block-segments'),
+    pytest.param(512, 4, 4, 256, None, True, BF16, 128, 128, id='causal-segments-bf16-k256'),
+    pytest.param(512, 8, 2, 128, 200, False, BF16, 256, 128, id='bq>bkv-gqa4-bf16'),
+    pytest.param(300, 4, 1, 128, 100, False, F32, 128, 256, id='ragged-T-bkv>bq'),
+]
+
+
+@pytest.mark.parametrize('t,h,g,d,window,segments,dtype,block_q,block_kv', CASES)
+def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, block_kv):
+  q, k, v, do, seg = _inputs(0, 1, t, h, g, d, dtype, segments)
+  f = lambda q, k, v: kernels.flash_attention(
+      q, k, v, window=window, segment_ids_BT=seg, block_q=block_q,
+      block_kv=block_kv, interpret=pltpu.InterpretParams())
+  o, vjp = jax.vjp(f, q, k, v)
+  grads = vjp(do)
+  o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
+  assert o.dtype == dtype and o.shape == q.shape
+  tol = TOLERANCE[dtype]
+  assert _rel_err(o, o_ref) < tol
+  for name, x, ref in zip(('dq', 'dk', 'dv'), grads, grads_ref):
+    assert x.dtype == dtype, name
+    assert _rel_err(x, ref) < tol, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('window', [None, 1, 129])
+def test_two_cores_and_random_grid_order(window):
+  """Megacore-style split and shuffled 'parallel' axes change nothing."""
+  q, k, v, do, seg = _inputs(1, 2, 512, 4, 2, 128, jnp.float32, True)
+  params = pltpu.InterpretParams(num_cores_or_threads=2, random_seed=3)
+  f = lambda q, k, v: kernels.flash_attention(
+      q, k, v, window=window, segment_ids_BT=seg, interpret=params)
+  o, vjp = jax.vjp(f, q, k, v)
+  o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
+  assert _rel_err(o, o_ref) < 1e-5
+  for x, ref in zip(vjp(do), grads_ref):
+    assert _rel_err(x, ref) < 1e-5
+
+
+def test_window_at_least_seq_len_is_causal():
+  q, k, v, do, _ = _inputs(2, 1, 256, 2, 1, 128, jnp.float32, False)
+  o = kernels.flash_attention(q, k, v, window=10_000, interpret=True)
+  o_ref, _ = attention_np(q, k, v, do, None, None)
+  assert _rel_err(o, o_ref) < 1e-5
+
+
+def test_reference_attention_matches_oracle():
+  q, k, v, do, seg = _inputs(3, 2, 96, 4, 2, 16, jnp.float32, True)
+  o_ref, grads_ref = attention_np(q, k, v, do, 40, seg)
+  f = jax.jit(lambda q, k, v: kernels.reference_attention(
+      q, k, v, window=40, segment_ids_BT=seg))
+  o, vjp = jax.vjp(f, q, k, v)
+  assert _rel_err(o, o_ref) < 1e-5
+  for x, ref in zip(vjp(do), grads_ref):
+    assert _rel_err(x, ref) < 1e-5
+
+
+def test_remat_scan_gradients_match_reference():
+  """Usable inside jax.checkpoint and lax.scan (as model.py's layer scan)."""
+  q, k, v, _, seg = _inputs(4, 1, 256, 2, 1, 128, jnp.float32, True)
+  w_L = jnp.asarray([0.5, -1.5], jnp.float32)
+
+  def loss(w_L, q, attn):
+    def layer(x, w):
+      o = attn(x * w, k, v, window=100, segment_ids_BT=seg)
+      return x + o, None
+    x, _ = jax.lax.scan(jax.checkpoint(layer), q, w_L)
+    return jnp.sum(x**2)
+
+  pallas = lambda *a, **kw: kernels.flash_attention(
+      *a, **kw, block_q=128, block_kv=128, interpret=True)
+  g = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w_L, q, pallas)
+  g_ref = jax.grad(loss, argnums=(0, 1))(w_L, q, kernels.reference_attention)
+  for x, ref in zip(g, g_ref):
+    assert _rel_err(x, np.asarray(ref, np.float64)) < 1e-5
+
+
+# ---------------------------------------------------------------------------
+# Block schedule: checked against the element mask, block by block.
+
+@pytest.mark.parametrize('t,bq,bk,window', [
+    (1024, 128, 128, None), (1024, 128, 128, 1), (1024, 256, 128, 200),
+    (1024, 128, 256, 129), (1024, 256, 512, 300), (1024, 512, 256, 2000),
+])
+def test_schedule_visits_exactly_the_blocks_with_visible_entries(t, bq, bk, window):
+  mask = _mask_np(t, window, None)[0]
+  blocks = mask.reshape(t // bq, bq, t // bk, bk)
+  any_QC, all_QC = blocks.any((1, 3)), blocks.all((1, 3))
+  for kv_major in (False, True):
+    qb, kb, flags = fa.block_schedule(t, bq, bk, window, kv_major=kv_major)
+    pairs = list(zip(qb.tolist(), kb.tolist()))
+    expected = sorted(zip(*np.nonzero(any_QC)),
+                      key=(lambda ij: (ij[1], ij[0])) if kv_major else None)
+    assert pairs == [tuple(int(x) for x in ij) for ij in expected]
+    masked = (flags & fa.flash_kernels.MASKED) != 0
+    np.testing.assert_array_equal(masked, ~all_QC[qb, kb])
+    outer = kb if kv_major else qb
+    first = (flags & fa.flash_kernels.FIRST) != 0
+    last = (flags & fa.flash_kernels.LAST) != 0
+    np.testing.assert_array_equal(first, np.r_[True, outer[1:] != outer[:-1]])
+    np.testing.assert_array_equal(last, np.r_[outer[1:] != outer[:-1], True])
+
+
+@pytest.mark.parametrize('chip', sorted(kernels.TPU_DEVICE_KINDS))
+@pytest.mark.parametrize('head_dim', [128, 256])
+def test_window_layer_visits_at_most_three_quarters_plus_diagonal(chip, head_dim):
+  """Olmo 3 at T=8192, W=4096 (OLMO3.md §1): the band covers 3/4 of the triangle."""
+  bq, bk = kernels.default_block_sizes(chip, head_dim)
+  causal = fa.block_schedule(8192, bq, bk, None)
+  diagonal = np.count_nonzero(causal[2] & fa.flash_kernels.MASKED)
+  window = kernels.kv_block_visits(8192, bq, bk, 4096)
+  assert window <= 0.75 * causal.shape[1] + diagonal
+  assert window < causal.shape[1]
+
+
+def test_block_table():
+  for (chip, head_dim), (bq, bk) in fa._BLOCK_TABLE.items():
+    assert bq % 128 == 0 and bk % 128 == 0 and 8192 % bq == 0 and 8192 % bk == 0
+    assert kernels.default_block_sizes(chip, head_dim) == (bq, bk)
+  with pytest.raises(ValueError, match='attention_block_q'):
+    kernels.default_block_sizes('v2', 128)
+
+
+# ---------------------------------------------------------------------------
+# Lowering for each chip of the table, on this CPU machine: jax's abstract mesh
+# names the TPU generation, so Pallas runs its Mosaic lowering (block-shape
+# and tiling checks, chip-specific choices) without a TPU. What it cannot
+# check is Mosaic's own compilation inside libtpu (layouts, VMEM fit).
+
+@pytest.mark.parametrize('chip', sorted(kernels.TPU_DEVICE_KINDS))
+@pytest.mark.parametrize('head_dim', [128, 256])
+@pytest.mark.parametrize('window,segments', [(None, False), (4096, True)])
+def test_lowers_for_tpu(chip, head_dim, window, segments):
+  kind, cores = kernels.TPU_DEVICE_KINDS[chip]
+  device = AbstractDevice(device_kind=kind, num_cores=cores, platform='tpu')
+  mesh = AbstractMesh((1,), ('x',), (AxisType.Explicit,), abstract_device=device)
+  t, h, g = 8192, 4, 1
+  q = jax.ShapeDtypeStruct((1, t, h, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, t, g, head_dim), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, t), jnp.int32) if segments else None
+
+  def loss(q, k, v, seg):
+    o = kernels.flash_attention(q, k, v, window=window, segment_ids_BT=seg)
+    return jnp.sum(o.astype(jnp.float32))
+
+  with use_abstract_mesh(mesh):
+    assert fa._current_chip() == chip
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, kv, kv, seg).lower(lowering_platforms=('tpu',))
+  text = lowered.as_text()
+  for name in ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv'):
+    assert name in text
+
+
+def test_bad_inputs_raise_clear_errors():
+  q = jnp.zeros((1, 256, 4, 128))
+  kv = jnp.zeros((1, 256, 3, 128))
+  with pytest.raises(ValueError, match='multiple of kv heads'):
+    kernels.flash_attention(q, kv, kv, interpret=True)
+  small = jnp.zeros((1, 256, 2, 64))
+  with pytest.raises(ValueError, match='head_dim=64'):
+    kernels.flash_attention(small, small, small, interpret=True)
+  kv = jnp.zeros((1, 256, 2, 128))
+  with pytest.raises(ValueError, match='block_q=100'):
+    kernels.flash_attention(q, kv, kv, block_q=100, interpret=True)
+  with pytest.raises(ValueError, match='window'):
+    kernels.flash_attention(q, kv, kv, window=0, interpret=True)
+  with pytest.raises(ValueError, match='segment_ids_BT'):
+    kernels.flash_attention(q, kv, kv, segment_ids_BT=jnp.zeros((1, 255), jnp.int32),
+                            interpret=True)

@@ -1,0 +1,456 @@
+"""Trains Olmo 3: python train.py --config=configs/small.py --workdir=/tmp/run.
+
+The same command starts a fresh run or resumes the latest good checkpoint in
+--workdir. `--dry_run` compiles the step ahead of time for the config's scale
+and prints memory and FLOPs instead of training (see plan.py).
+
+Reading order: mesh and shardings, state init, the jitted step, the loop.
+Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, NamedTuple
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import optax
+
+import checkpoint
+import convert
+import data
+import model
+import optim
+
+config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config file.')
+flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
+flags.DEFINE_bool('dry_run', False, 'Compile the train step ahead of time and report; no training.')
+flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
+FLAGS = flags.FLAGS
+
+EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
+BATCH_AXES = ('data', 'fsdp')  # the global batch is split over both
+
+
+class TrainState(NamedTuple):
+  params: model.Params
+  opt_state: optim.SkipStepAdamWState
+
+
+# --- Mesh and shardings -----------------------------------------------------------------
+
+
+def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh; mesh_fsdp=-1 takes the remaining devices."""
+  devices = np.asarray(jax.devices() if devices is None else devices)
+  shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, cfg_train.mesh_tensor]
+  known = int(np.prod([s for s in shape if s != -1]))
+  if shape.count(-1) > 1 or devices.size % known:
+    raise ValueError(f'mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) does not fit '
+                     f'{devices.size} devices; set train.mesh_* so their product is the device '
+                     'count (one of them may be -1).')
+  shape = [devices.size // known if s == -1 else s for s in shape]
+  if int(np.prod(shape)) != devices.size:
+    raise ValueError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices.size} devices.')
+  # Plain Mesh = Auto axes: jax.make_mesh's Explicit axes break hk-style gathers.
+  return Mesh(devices.reshape(shape), ('data', 'fsdp', 'tensor'))
+
+
+# Partition spec per parameter name: FSDP shards d_model, tensor-parallel
+# shards heads / MLP hidden / vocab. The leading L axis of layer weights stays
+# whole so the layer scan slices it locally.
+_PARAM_SPECS = {
+    'embedding': P(None, 'fsdp'),  # [V, D]
+    'w_q': P(None, 'fsdp', 'tensor'), 'w_k': P(None, 'fsdp', 'tensor'),
+    'w_v': P(None, 'fsdp', 'tensor'), 'w_o': P(None, 'tensor', 'fsdp'),
+    'w_gate': P(None, 'fsdp', 'tensor'), 'w_up': P(None, 'fsdp', 'tensor'),
+    'w_down': P(None, 'tensor', 'fsdp'), 'w': P('fsdp', 'tensor'),  # lm_head [D, V]
+}
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+  """Drops axes that do not divide their dimension (small configs on many devices)."""
+  return P(*[a if a is None or shape[i] % mesh.shape[a] == 0 else None
+             for i, a in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec)))])
+
+
+def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
+  """NamedShardings for every leaf: weights and both Adam moments alike, scalars replicated."""
+  def leaf(path, x):
+    spec = _PARAM_SPECS.get(getattr(path[-1], 'key', None), P()) if x.ndim > 1 else P()
+    return NamedSharding(mesh, _fit(spec, x.shape, mesh))
+  return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+# --- State ------------------------------------------------------------------------------
+
+
+def create_state(cfg: ml_collections.ConfigDict, mesh: Mesh, rng: jax.Array
+                 ) -> tuple[TrainState, TrainState]:
+  """(state, shardings): built already sharded, so no full-size array ever exists."""
+  tx = optim.make_optimizer(cfg.opt)
+
+  def init(rng):
+    params = model.init_params(cfg.model, rng)
+    return TrainState(params, tx.init(params))
+  abstract = jax.eval_shape(init, rng)
+  shardings = state_shardings(abstract, mesh)
+  return jax.jit(init, out_shardings=shardings)(rng), shardings
+
+
+def load_init(cfg: ml_collections.ConfigDict, state: TrainState, shardings: TrainState
+              ) -> TrainState:
+  """Step-0 weights from cfg.train.init_from: an HF directory or one of our checkpoints."""
+  path = cfg.train.init_from
+  if os.path.exists(os.path.join(path, 'config.json')):
+    params, hf_cfg = convert.load_hf(path, pad_vocab_to=128)
+    for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
+                  'mlp_hidden', 'vocab_size'):
+      if hf_cfg[field] != cfg.model[field]:
+        raise ValueError(f'init_from={path}: HF model has {field}={hf_cfg[field]}, the config '
+                         f'{cfg.model[field]}; set --config.model.{field} to match.')
+    params = jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings.params)
+    return state._replace(params=params)
+  if not checkpoint.committed_steps(path):
+    raise FileNotFoundError(f'init_from={path!r} is neither an HF directory (config.json) '
+                            'nor a checkpoint directory with a committed step_N.')
+  restored, _ = checkpoint.restore_latest_good(path, _abstract(state, shardings))
+  if cfg.train.get('reset_step_on_init', False):  # stage 2: keep moments, restart the clock
+    restored = restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
+  return restored
+
+
+def _abstract(state: TrainState, shardings: TrainState) -> TrainState:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state, shardings)
+
+
+# --- The step ---------------------------------------------------------------------------
+
+
+def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
+  """One optimizer step over the global batch, in `accum` micro-batches.
+
+  Every micro-batch loss is a sum divided by the label count of the *global*
+  batch, so the accumulated gradient equals one big batch's whatever `accum`
+  and the device count are.
+  """
+  net, tx = model.build(cfg.model), optim.make_optimizer(cfg.opt)
+
+  def sums(params, mb):
+    h_BTD = net.apply(params, mb['tokens'], mb.get('segment_ids'))
+    return optim.loss_sums(h_BTD, params['lm_head']['w'], mb['labels'], mb['instance_mask'],
+                           z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
+
+  def step(state: TrainState, batch: dict[str, jax.Array]):
+    denominator = jnp.maximum(optim.loss_denominator(batch['labels']), 1).astype(jnp.float32)
+
+    def loss(params, mb):
+      ce, z = sums(params, mb)
+      return (ce + z) / denominator, (ce, z)
+    grad_fn = jax.grad(loss, has_aux=True)
+    # [B, ...] -> [A, B/A, ...] keeping each device's rows on that device: micro
+    # batch a takes rows a, a+A, ... of every device's contiguous block.
+    micro = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1),
+            NamedSharding(mesh, P(None, BATCH_AXES, *([None] * (x.ndim - 1))))), batch)
+
+    def body(carry, mb):
+      grads, ce, z = carry
+      g, (c, zz) = grad_fn(state.params, mb)
+      return (jax.tree.map(jnp.add, grads, g), ce + c, z + zz), None
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zero = jnp.zeros([], jnp.float32)
+    (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, zero, zero), micro)
+
+    ce_loss = ce_sum / denominator
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=ce_loss)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {'train/CE loss': ce_loss, 'train/Z loss': z_sum / denominator,
+               **optim.opt_metrics(opt_state)}
+    return TrainState(params, opt_state), metrics
+  return step
+
+
+def make_eval_step(cfg: ml_collections.ConfigDict):
+  """(CE sum, label count) of one held-out batch."""
+  net = model.build(cfg.model)
+
+  def step(params, batch):
+    h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'))
+    ce, _ = optim.loss_sums(h_BTD, params['lm_head']['w'], batch['labels'],
+                            batch['instance_mask'], z_loss=0.0, chunk=cfg.opt.loss_chunk)
+    return ce, optim.loss_denominator(batch['labels'])
+  return step
+
+
+# --- Metrics ----------------------------------------------------------------------------
+
+# Dense bf16 peak FLOP/s per device as JAX names the device kind (vendor spec
+# sheets). TPU7x counts one of the two devices per chip.
+PEAK_FLOPS = {
+    'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12,
+    'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 2307e12 / 2,
+    'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
+}
+
+
+def peak_flops(cfg_train: ml_collections.ConfigDict) -> float | None:
+  """Per-device peak for MFU: the config override, the table, or a CPU matmul measurement."""
+  if cfg_train.peak_flops:
+    return float(cfg_train.peak_flops)
+  kind = jax.devices()[0].device_kind
+  if kind in PEAK_FLOPS:
+    return PEAK_FLOPS[kind]
+  if jax.devices()[0].platform == 'cpu':
+    return measured_matmul_flops()
+  logging.warning('No peak FLOP/s known for %r; MFU is not reported. Set train.peak_flops.', kind)
+  return None
+
+
+def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+  """Best float32 matmul FLOP/s of one device; the CPU's practical peak.
+
+  On simulated multi-device CPUs all devices share the same cores, so this is
+  divided among them by the caller's per-device accounting only if they run
+  concurrently; we report against one device's measured rate.
+  """
+  x = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
+  return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+class MetricWriter:
+  """JSONL (always) and TensorBoard event files (tensorboardX), process 0 only."""
+
+  def __init__(self, workdir: str):
+    self.enabled = jax.process_index() == 0
+    if not self.enabled:
+      return
+    from tensorboardX import SummaryWriter  # Event files without TensorFlow or torch.
+    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
+    self.jsonl.flush()
+    for name, value in metrics.items():
+      self.tb.add_scalar(name, value, step)
+    self.tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self.jsonl.close()
+      self.tb.close()
+
+
+# --- The loop ---------------------------------------------------------------------------
+
+
+class Preemption:
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits."""
+
+  def __init__(self):
+    self.requested = False
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    logging.warning('Signal %d: will checkpoint after this step and exit.', signum)
+    self.requested = True
+
+
+def code_version() -> str:
+  try:
+    return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), check=True
+                          ).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  model.validate(cfg.model)
+  if cfg.data.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f'data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size='
+                     f'{cfg.model.vocab_size}: token ids would index past the embedding.')
+  if cfg.train.steps < 1 or cfg.train.log_every < 1 or cfg.train.ckpt_every < 1:
+    raise ValueError('train.steps, train.log_every and train.ckpt_every must be >= 1.')
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Runs (or resumes) training to cfg.train.steps; returns the last logged metrics."""
+  validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  mesh = make_mesh(cfg.train)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                 keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
+  state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
+  data_state = None
+  if ckpt.committed_steps():
+    state, meta = ckpt.restore_latest_good(_abstract(state, shardings))
+    data_state = meta['data']
+    logging.info('Resumed from step %d in %s.', meta['step'], workdir)
+  elif cfg.train.init_from:
+    state = load_init(cfg, state, shardings)
+  start = int(jax.device_get(state.opt_state.step))
+
+  ds = data.Dataset.from_config(cfg.data)
+  sharding = batch_sharding(mesh)
+  loader = data.Loader.from_config(
+      cfg.data, ds, state=data_state, sharding=sharding,
+      cache_dir=cfg.data.cache_dir or os.path.join(workdir, 'data_cache'))
+  shards = data.num_batch_shards(sharding, cfg.data.global_batch_size, cfg.data.seq_len)
+  accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
+  train_step = jax.jit(make_train_step(cfg, mesh, accum), donate_argnums=0,
+                       out_shardings=(shardings, None))
+  evaluate = held_out_evaluator(cfg, mesh)
+
+  tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+  flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+  peak = peak_flops(cfg.train)
+  writer = MetricWriter(workdir)
+  preempt = Preemption()
+  logging.info('Training %s params on %d devices (mesh %s), %d micro-batches/step, '
+               'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
+               dict(mesh.shape), accum, start, cfg.train.steps)
+
+  pending, last = [], {}
+  window_start, data_wait = time.perf_counter(), 0.0
+  step = start
+  try:
+    while step < cfg.train.steps:
+      t0 = time.perf_counter()
+      batch = next(loader)
+      data_wait += time.perf_counter() - t0
+      state, metrics = train_step(state, batch)
+      step += 1
+      pending.append((step, metrics))  # device arrays: no host sync until the log step
+      stop = preempt.requested or step == cfg.train.steps
+      if step % cfg.train.log_every == 0 or stop:
+        fetched = jax.device_get(pending)
+        elapsed = time.perf_counter() - window_start
+        n = len(fetched)
+        for s, m in fetched:  # every step's losses; throughput only on the log step
+          record = {k: float(v) for k, v in m.items()}
+          record['train/PPL'] = float(np.exp(min(record['train/CE loss'], 80.0)))
+          record['throughput/total tokens'] = s * tokens_per_step
+          if s != step:
+            writer.write(s, record)
+        tps = n * tokens_per_step / elapsed / mesh.size
+        record.update({'throughput/device/TPS': tps, 'time/step': elapsed / n,
+                       'time/data wait': data_wait / n})
+        if peak:
+          record['throughput/device/MFU'] = tps * flops_per_step / tokens_per_step / peak
+        writer.write(step, record)
+        last = record
+        print(f"step {step:>7d}/{cfg.train.steps}  loss {record['train/CE loss']:.4f}  "
+              f"lr {record['optim/LR']:.3g}  gnorm {record['optim/total grad norm']:.3f}  "
+              f"{tps:,.0f} tok/s/dev  {elapsed / n * 1e3:.0f} ms/step"
+              + ('  [skipped]' if record['optim/step skipped'] else ''), flush=True)
+        pending, data_wait, window_start = [], 0.0, time.perf_counter()
+      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or stop) and evaluate:
+        val = evaluate(state.params)
+        writer.write(step, val)
+        last.update(val)
+        print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
+              flush=True)
+      if step % cfg.train.ckpt_every == 0 or stop:
+        meta = {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
+                'code_version': code_version(), 'rng_seed': cfg.train.seed}
+        ckpt.save(step, state, meta)
+      if preempt.requested:
+        ckpt.wait()
+        logging.warning('Preempted at step %d; checkpoint written.', step)
+        raise SystemExit(EXIT_PREEMPTED)
+  finally:
+    loader.close()
+    ckpt.close()
+    writer.close()
+  if FLAGS.is_parsed() and FLAGS.sample_tokens:
+    print_sample(cfg, state.params, FLAGS.sample_tokens)
+  return last
+
+
+def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
+  """A function params -> {'eval/lm/validation/CE loss', PPL} over fixed batches, or None."""
+  if not cfg.data.validation_paths:
+    return None
+  val_ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths))
+  batch_size = min(cfg.data.global_batch_size, val_ds.num_instances)
+  batch_size -= batch_size % data.num_batch_shards(batch_sharding(mesh), batch_size) or 0
+  batches = data.validation_batches(val_ds, batch_size, cfg.data.validation_batches,
+                                    document_masking=cfg.data.document_masking)
+  step = jax.jit(make_eval_step(cfg))
+  sharding = batch_sharding(mesh)
+
+  def evaluate(params):
+    ce, count = 0.0, 0
+    for b in batches:
+      c, n = step(params, {k: jax.device_put(v, NamedSharding(
+          mesh, P(*sharding.spec[:np.ndim(v)]))) for k, v in b.items()})
+      ce, count = ce + float(c), count + int(n)
+    loss = ce / max(count, 1)
+    return {'eval/lm/validation/CE loss': loss,
+            'eval/lm/validation/PPL': float(np.exp(min(loss, 80.0)))}
+  return evaluate
+
+
+def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: int,
+                 prompt: str = 'ROMEO:') -> None:
+  """Greedy continuation of `prompt` with the embedded tokenizer (small configs only)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tokenizer.json')
+  if cfg.data.vocab_size > 65536 or not os.path.exists(path):
+    return
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(path)
+  ids = tok.encode(prompt).ids
+  total = min(len(ids) + length, cfg.data.seq_len)
+  logits_fn = jax.jit(lambda p, t: model.logits(p, t, cfg.model))
+  tokens = np.zeros((1, total), np.int32)
+  tokens[0, :len(ids)] = ids
+  for t in range(len(ids), total):  # causal, so the zero padding after t is never seen
+    out = logits_fn(params, jnp.asarray(tokens))
+    tokens[0, t] = int(jnp.argmax(out[0, t - 1, :cfg.data.vocab_size]))
+  print('--- sample ---\n' + tok.decode(tokens[0].tolist()) + '\n--------------', flush=True)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  cfg = FLAGS.config
+  if FLAGS.dry_run:
+    import plan
+    plan.report(cfg)
+    return
+  if not FLAGS.workdir:
+    raise app.UsageError('--workdir is required (checkpoints and metrics go there).')
+  train(cfg, FLAGS.workdir)
+
+
+if __name__ == '__main__':
+  app.run(main)
