@@ -101,4 +101,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.keep_every = 10_000  # permanently kept checkpoints (0 = none)
   c.train.eval_every = 1000  # held-out loss cadence (0 = never)
   c.train.peak_flops = config_dict.placeholder(float)  # per-device peak override for MFU
+  c.train.reset_step_on_init = False  # stage 2 sets True: keep moments, restart step and schedule
   return c
