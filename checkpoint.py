@@ -632,21 +632,25 @@ def _assemble(box: Box, chunks: dict, chunk: tuple[int, ...], shape: tuple[int, 
 
 
 def restore(directory: str, target: Any, step: int | None = None,
-            verify: bool = True) -> tuple[Any, dict[str, Any]]:
+            verify: bool = True, subtree: str = '') -> tuple[Any, dict[str, Any]]:
   """Restores a committed checkpoint onto the structure, shardings and dtypes of `target`.
 
   `target` leaves: jax.Array or jax.ShapeDtypeStruct with a sharding (restored
   as jax.Arrays with that sharding, on any mesh and device count), or numpy
   arrays and Python scalars (restored on host). Floating arrays are cast to
   the target dtype. Each process reads only the chunks covering its devices'
-  slices and checks their checksums (`verify`). Returns (state, metadata).
-  Raises FileNotFoundError for a missing or incomplete checkpoint, ValueError
+  slices and checks their checksums (`verify`). `subtree` names a top-level
+  key (e.g. 'params'): `target` then mirrors only that part, and only its
+  arrays are read. Returns (state, metadata). Raises FileNotFoundError for a missing or incomplete checkpoint, ValueError
   naming the array for a mismatch, CorruptCheckpointError for bad data.
   """
   path = _committed_dir(directory, step)
   info = _read_info(path)
   stored = info['arrays']
   names, leaves, treedef = _flatten(target)
+  if subtree:  # e.g. 'params': restore only the arrays under that key
+    names = [f'{subtree}/{n}' for n in names]
+    stored = {n: v for n, v in stored.items() if n.startswith(subtree + '/')}
   specs = [_target_spec(n, leaf) for n, leaf in zip(names, leaves)]
   _check_match(path, names, specs, stored)
   ctx = ts.Context()

@@ -329,3 +329,65 @@ def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
   with open(os.path.join(directory, 'config.json'), 'w') as f:
     json.dump(hf_config(cfg, vocab_size, eos_token_id=eos_token_id,
                         pad_token_id=pad_token_id, dtype=dtype), f, indent=2)
+
+
+# --- Our checkpoints ---------------------------------------------------------------
+
+
+def params_target(cfg: ml_collections.ConfigDict) -> dict:
+  """Host zero arrays shaped like model.init_params (a restore target; no memory touched)."""
+  import jax
+
+  import model
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+def load_checkpoint_params(directory: str, step: int | None = None
+                           ) -> tuple[dict, ml_collections.ConfigDict]:
+  """(params as numpy, full config) of a committed checkpoint; reads only the params."""
+  import checkpoint
+  meta = checkpoint.read_metadata(directory, step)
+  if 'config' not in meta:
+    raise ConversionError(f'{directory}: checkpoint metadata has no "config"; '
+                          'was it written by train.py or convert.py?')
+  cfg = ml_collections.ConfigDict(meta['config'])
+  params, _ = checkpoint.restore(directory, params_target(cfg.model), step, subtree='params')
+  return params, cfg
+
+
+def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directory: str) -> None:
+  """Writes params as step_0 of a checkpoint directory (usable as train.init_from)."""
+  import checkpoint
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(0, {'params': params}, {'config': {'model': cfg.to_dict()}})
+
+
+def main(argv):
+  del argv
+  if bool(FLAGS.from_hf) == bool(FLAGS.from_ckpt) or bool(FLAGS.to) == bool(FLAGS.to_hf):
+    raise app.UsageError('Give --from_hf=DIR --to=CKPT_DIR, or --from_ckpt=CKPT_DIR --to_hf=DIR.')
+  if FLAGS.from_hf:
+    params, cfg = load_hf(FLAGS.from_hf)
+    save_checkpoint_params(params, cfg, FLAGS.to)
+    print(f'{FLAGS.from_hf} -> {FLAGS.to}/step_0 ({cfg.num_layers} layers, vocab {cfg.vocab_size})')
+    return
+  params, full = load_checkpoint_params(FLAGS.from_ckpt, FLAGS.step)
+  data_cfg = full.get('data', {})
+  save_hf(params, full.model, FLAGS.to_hf, dtype=FLAGS.dtype,
+          vocab_size=FLAGS.vocab_size or data_cfg.get('vocab_size'),
+          eos_token_id=data_cfg.get('eos_token_id'), pad_token_id=data_cfg.get('pad_token_id'))
+  print(f'{FLAGS.from_ckpt} -> {FLAGS.to_hf} ({FLAGS.dtype})')
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  flags.DEFINE_string('from_hf', None, 'HF Olmo 3 directory to read')
+  flags.DEFINE_string('to', None, 'checkpoint directory to write (step_0, params only)')
+  flags.DEFINE_string('from_ckpt', None, 'our checkpoint directory to read')
+  flags.DEFINE_integer('step', None, 'checkpoint step (default: latest)')
+  flags.DEFINE_string('to_hf', None, 'HF directory to write')
+  flags.DEFINE_enum('dtype', 'bfloat16', ['float32', 'bfloat16'], 'HF weight dtype')
+  flags.DEFINE_integer('vocab_size', None, 'HF vocab rows (default: the config data.vocab_size)')
+  FLAGS = flags.FLAGS
+  app.run(main)

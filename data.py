@@ -16,7 +16,8 @@ The batch for a step is a pure function of (dataset, seed, epoch, step), so
 resuming needs only that tuple (plus the fingerprint, to refuse changed data).
 
 Glossary: N instances in the dataset, B global batch (instances), T sequence
-length, W data-parallel batch shards (devices that split the batch), P periods.
+length, n instances read, W data-parallel batch shards (devices that split the
+batch); in the repetition filter L = T - p for period p, R rows left to check.
 """
 
 import collections
@@ -56,7 +57,7 @@ def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
   """
   if not os.path.isfile(mix_file):
     raise FileNotFoundError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
-                            'file of `label,path` lines (OLMo-core src/olmo_core/data/mixes/*.txt).')
+                            'file of `label,path` lines (like olmo_core/data/mixes/*.txt).')
   paths, labels, sizes = [], [], []
   with open(mix_file) as f:
     for line_no, line in enumerate(f, 1):
@@ -71,7 +72,7 @@ def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
         raise ValueError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
       path = fields[1].replace('{TOKENIZER}', tokenizer_id)
       if base_dir and '://' not in path and not os.path.isabs(path):
-        path = base_dir.rstrip('/') + '/' + path  # OLMo-core joins mix paths as f'{base_dir}/{path}'
+        path = base_dir.rstrip('/') + '/' + path  # OLMo-core DataMix.build: f'{base_dir}/{path}'
       paths.append(remap_path(path, path_remap))
       labels.append(fields[0])
       sizes.append(int(fields[2]) if len(fields) == 3 else None)
@@ -155,10 +156,11 @@ class Dataset:
     if seq_len <= 0:
       raise ValueError(f'seq_len must be positive, got {seq_len}.')
     if max_target_sequence_length == -1:
-      max_target_sequence_length = seq_len  # pretrain-1 sets it to the sequence length (fingerprint)
+      max_target_sequence_length = seq_len  # pretrain-1 sets it to seq_len (in the fingerprint)
     if max_target_sequence_length not in (None, seq_len):
-      raise ValueError(f'max_target_sequence_length={max_target_sequence_length} != seq_len={seq_len}: '
-                       "OLMo-core's sequence-length warm-up chunking is not supported; use None or seq_len.")
+      raise ValueError(f'max_target_sequence_length={max_target_sequence_length} != seq_len='
+                       f"{seq_len}: OLMo-core's sequence-length warm-up chunking is not supported; "
+                       'use None or seq_len.')
     labels = labels or [''] * len(paths)
     listed_sizes = listed_sizes or [None] * len(paths)
     self.files = tuple(inspect_file(p, l, s) for p, l, s in zip(paths, labels, listed_sizes))
@@ -174,10 +176,12 @@ class Dataset:
     if self.num_instances == 0:
       longest = max(self.files, key=lambda f: f.num_tokens)
       raise ValueError(f'seq_len {seq_len} is larger than every file in {source}; the longest, '
-                       f'{longest.path}, has {longest.num_tokens} tokens. Lower seq_len or add data.')
+                       f'{longest.path}, has {longest.num_tokens} tokens. Lower seq_len or add '
+                       'data.')
     if self.num_instances >= np.iinfo(np.uint32).max:
       raise ValueError(f'{self.num_instances} instances do not fit OLMo-core\'s uint32 order.')
-    self._maps: collections.OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = collections.OrderedDict()
+    self._maps: collections.OrderedDict[int, tuple[mmap.mmap, np.ndarray]]
+    self._maps = collections.OrderedDict()
     self._lock = threading.Lock()
 
   @classmethod
@@ -238,11 +242,6 @@ class Dataset:
         self._maps.popitem(last=False)  # unmapped once no batch still views it
       return self._maps[f]
 
-  def locate(self, i: int) -> tuple[TokenFile, int]:
-    """(file, first token offset in it) of instance i."""
-    f = int(np.searchsorted(self.starts, i, side='right')) - 1
-    return self.files[f], (int(i) - int(self.starts[f])) * self.seq_len
-
   def read(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Tokens of instances `ids` as int32 [n, T], checked against vocab_size."""
     ids = np.asarray(ids, np.int64).reshape(-1)
@@ -265,10 +264,9 @@ class Dataset:
       raw_nT[k] = self._map(int(file_of[k]))[1][start_n[k]:start_n[k] + T]
     if raw_nT.size and raw_nT.max() >= self.vocab_size:
       k, t = np.argwhere(raw_nT >= self.vocab_size)[0]
-      file, offset = self.locate(ids[k])
-      raise ValueError(f'{file.path}: token id {raw_nT[k, t]} at token offset '
-                       f'{offset + t} is >= vocab_size {self.vocab_size}; the file was made with '
-                       'another tokenizer or is corrupt (check cfg.data.vocab_size or re-run '
+      raise ValueError(f'{self.files[file_of[k]].path}: token id {raw_nT[k, t]} at token offset '
+                       f'{start_n[k] + t} is >= vocab_size {self.vocab_size}; the file was made '
+                       'with another tokenizer or is corrupt (check cfg.data.vocab_size or re-run '
                        'scripts/prepare_data.py).')
     return tokens_nT
 
@@ -297,7 +295,8 @@ def _indices_file_name(num_instances: int, seed: int, epoch: int) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def permutation(num_instances: int, seed: int, epoch: int, cache_dir: str | None = None) -> np.ndarray:
+def permutation(num_instances: int, seed: int, epoch: int,
+                cache_dir: str | None = None) -> np.ndarray:
   """Epoch `epoch`'s global instance order (uint32 [N]), memory mapped from cache_dir.
 
   OLMo-core NumpyFSLDataLoader._build_global_indices: PCG64(seed + epoch)
@@ -305,7 +304,7 @@ def permutation(num_instances: int, seed: int, epoch: int, cache_dir: str | None
   for stage 1) and writes it under OLMo-core's file name, renaming it into place
   when complete (concurrent builders write identical files); every later call,
   in any process, memory maps the file read-only. Shuffling the memory-mapped
-  file in place gives the same order but took 1.7x the CPU time (BUILD.md).
+  file in place gives the same order but took about twice the CPU time (BUILD.md).
   With cache_dir=None the order is kept in memory (small datasets, tests).
   """
   if epoch < 1:
@@ -345,7 +344,8 @@ def global_batch_ids(ds: Dataset, seed: int, epoch: int, step: int, global_batch
   """Instance ids (uint32 [B]) of global batch `step` (0-based within `epoch`)."""
   n = batches_per_epoch(ds, global_batch_size)
   if not 0 <= step < n:
-    raise IndexError(f'epoch {epoch} has {n} batches of {global_batch_size}; step {step} is outside.')
+    raise IndexError(f'epoch {epoch} has {n} batches of {global_batch_size}; step {step} is '
+                     'outside it.')
   order = permutation(ds.num_instances, seed, epoch, cache_dir)
   return np.array(order[step * global_batch_size:(step + 1) * global_batch_size])
 
@@ -373,13 +373,15 @@ def _row_slices(index_map: dict, global_batch_size: int) -> set[tuple[int, int]]
           for s in index_map.values()}
 
 
-def num_batch_shards(sharding: jax.sharding.Sharding, global_batch_size: int, seq_len: int = 1) -> int:
+def num_batch_shards(sharding: jax.sharding.Sharding, global_batch_size: int,
+                     seq_len: int = 1) -> int:
   """How many distinct row blocks the sharding splits a [B, T] batch into (W)."""
   return len(_row_slices(sharding.devices_indices_map((global_batch_size, seq_len)),
                          global_batch_size))
 
 
-def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int, seq_len: int = 1) -> np.ndarray:
+def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
+               seq_len: int = 1) -> np.ndarray:
   """Sorted rows of the [B, T] batch array that this process's devices hold."""
   blocks = _row_slices(sharding.addressable_devices_indices_map((global_batch_size, seq_len)),
                        global_batch_size)
@@ -392,8 +394,8 @@ def grad_accum_steps(global_batch_size: int, num_shards: int, micro_batch_size: 
   batch_positions(global_batch_size, num_shards)  # raises if W does not divide B
   if micro_batch_size <= 0 or per_shard % micro_batch_size:
     raise ValueError(f'{per_shard} instances per device (global batch {global_batch_size} / '
-                     f'{num_shards} devices) is not a multiple of micro_batch_size {micro_batch_size}; '
-                     'pick cfg.train.micro_batch_size dividing it.')
+                     f'{num_shards} devices) is not a multiple of micro_batch_size '
+                     f'{micro_batch_size}; pick cfg.train.micro_batch_size dividing it.')
   return per_shard // micro_batch_size
 
 
@@ -409,8 +411,8 @@ def make_global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding
   out = {}
   for key, local in local_batch.items():
     shape = (global_batch_size,) + local.shape[1:]
-    spec = tuple(sharding.spec) + (None,) * len(shape)
-    arr_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:len(shape)]))
+    spec = (tuple(sharding.spec) + (None,) * len(shape))[:len(shape)]
+    arr_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
     def callback(index, local=local, key=key):
       want = np.arange(global_batch_size)[index[0]]
@@ -435,7 +437,8 @@ class RepetitionFilter(NamedTuple):
   max_count: int = 32
 
 
-def repetition_rejected(tokens_BT: np.ndarray, rf: RepetitionFilter = RepetitionFilter()) -> np.ndarray:
+def repetition_rejected(tokens_BT: np.ndarray,
+                        rf: RepetitionFilter = RepetitionFilter()) -> np.ndarray:
   """bool [B]: True where OLMo-core's repetition filter rejects the instance.
 
   OLMo-core (`_validate_instance` over `find_periodic_sequences`) rejects when a
@@ -530,8 +533,10 @@ def check_resume(state: dict[str, Any], ds: Dataset, allow_changed: bool = False
   for i, (o, n) in enumerate(zip(old, new)):
     if (os.path.basename(o[0]), o[1]) != (os.path.basename(n[0]), n[1]):
       problems.append(f'file #{i} was {o[0]} ({o[1]} bytes), is {n[0]} ({n[1]} bytes)')
-  problems += [f'file #{i} {p} ({s} bytes) was removed' for i, (p, s) in enumerate(old) if i >= len(new)]
-  problems += [f'file #{i} {p} ({s} bytes) was added' for i, (p, s) in enumerate(new) if i >= len(old)]
+  problems += [f'file #{i} {p} ({s} bytes) was removed' for i, (p, s) in enumerate(old[len(new):],
+                                                                                   len(new))]
+  problems += [f'file #{i} {p} ({s} bytes) was added' for i, (p, s) in enumerate(new[len(old):],
+                                                                                 len(old))]
   if not problems:
     problems.append('the fingerprint fields differ')
   more = f'; and {len(problems) - 10} more' if len(problems) > 10 else ''
@@ -586,9 +591,10 @@ class Loader:
     if state is not None:
       check_resume(state, ds, allow_changed=cfg_data.get('allow_data_change', False))
       if state['global_batch_size'] != cfg_data.global_batch_size:
-        raise ValueError(f'the checkpoint was trained with global batch {state["global_batch_size"]}, '
-                         f'cfg.data.global_batch_size is {cfg_data.global_batch_size}; steps would '
-                         'index different batches. Keep the batch size when resuming.')
+        raise ValueError(f'the checkpoint was trained with global batch '
+                         f'{state["global_batch_size"]}, cfg.data.global_batch_size is '
+                         f'{cfg_data.global_batch_size}; steps would index different batches. '
+                         'Keep the batch size when resuming.')
       start = dict(epoch=state['epoch'], step=state['step'], seed=state['seed'])
     return cls(ds, global_batch_size=cfg_data.global_batch_size, cache_dir=cache_dir,
                sharding=sharding, document_masking=cfg_data.document_masking,
@@ -622,13 +628,7 @@ class Loader:
     position: tuple[int, int] | None = (self.epoch, self.step)
     try:
       while position is not None and not self._stop.is_set():
-        item = (position, self.batch_at(*position))
-        while not self._stop.is_set():
-          try:
-            self._queue.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            continue
+        self._queue.put((position, self.batch_at(*position)))  # blocks while `prefetch` wait
         position = self._next_position(*position)
       self._queue.put((None, StopIteration()))
     except BaseException as e:  # pylint: disable=broad-except  # re-raised in the consumer
@@ -638,7 +638,9 @@ class Loader:
     return self
 
   def __next__(self) -> dict[str, Any]:
-    if self._thread is None:
+    if self._stop.is_set():
+      raise StopIteration('the loader was closed')
+    if self._thread is None:  # started lazily; again after an epoch end with stop_at_epoch_end
       self._thread = threading.Thread(target=self._produce, daemon=True, name='data-prefetch')
       self._thread.start()
     position, batch = self._queue.get()
@@ -650,15 +652,14 @@ class Loader:
     return batch
 
   def close(self) -> None:
-    """Stops the prefetch thread (safe to call twice)."""
+    """Stops the prefetch thread; the loader then yields nothing more."""
     self._stop.set()
-    if self._thread is not None:
-      while self._thread.is_alive():
-        try:
-          self._queue.get(timeout=0.1)
-        except queue.Empty:
-          pass
-      self._thread = None
+    while self._thread is not None and self._thread.is_alive():
+      try:
+        self._queue.get(timeout=0.1)  # unblocks a producer waiting on a full queue
+      except queue.Empty:
+        pass
+    self._thread = None
 
   def __enter__(self) -> 'Loader':
     return self

@@ -16,14 +16,30 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from absl import app, flags, logging
-import jax
+
+def _simulate_devices_for_dry_run(argv: list[str]) -> None:
+  """--dry_run plans on --dry_run_devices simulated CPU devices (default 8).
+
+  XLA reads the simulated device count once, when jax is imported, so this
+  runs on the raw argv before the import below.
+  """
+  if not any(a in ('--dry_run', '--dry_run=true', '--dry_run=True') for a in argv):
+    return
+  count = next((a.split('=', 1)[1] for a in argv if a.startswith('--dry_run_devices=')), '8')
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             f' --xla_force_host_platform_device_count={count}').strip()
+
+
+_simulate_devices_for_dry_run(sys.argv)
+
+from absl import app, flags, logging  # noqa: E402  (after the XLA_FLAGS set-up above)
+import jax  # noqa: E402
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
-import optax
 
 import checkpoint
 import convert
@@ -35,6 +51,17 @@ config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config f
 flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
 flags.DEFINE_bool('dry_run', False, 'Compile the train step ahead of time and report; no training.')
 flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
+flags.DEFINE_integer('dry_run_devices', 8, 'Simulated CPU devices the dry run compiles for '
+                     '(read from argv before jax is imported; use the --flag=N form).')
+flags.DEFINE_integer('dry_run_target', 0, 'Device count the dry run reports for (0: '
+                     '--dry_run_devices); another count is extrapolated from compiles on '
+                     'dry_run_devices and half of them (see plan.py).')
+flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 in a multi-process run '
+                    '(default: detected on TPU pods and under SLURM; see init_distributed).')
+flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (with '
+                     '--coordinator_address).')
+flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run (with '
+                     '--coordinator_address).')
 FLAGS = flags.FLAGS
 
 EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
@@ -111,26 +138,37 @@ def create_state(cfg: ml_collections.ConfigDict, mesh: Mesh, rng: jax.Array
   return jax.jit(init, out_shardings=shardings)(rng), shardings
 
 
+ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
+                      'mlp_hidden', 'vocab_size', 'layer_pattern', 'sliding_window',
+                      'rope_theta', 'norm_eps')
+
+
 def load_init(cfg: ml_collections.ConfigDict, state: TrainState, shardings: TrainState
               ) -> TrainState:
-  """Step-0 weights from cfg.train.init_from: an HF directory or one of our checkpoints."""
+  """Step-0 state from cfg.train.init_from: an HF directory or one of our checkpoints.
+
+  Only the weights are taken (fresh optimizer), except with
+  train.reset_step_on_init (stage 2), which also takes the Adam moments and
+  count from a full train checkpoint and restarts the step and schedule.
+  """
   path = cfg.train.init_from
   if os.path.exists(os.path.join(path, 'config.json')):
-    params, hf_cfg = convert.load_hf(path, pad_vocab_to=128)
-    for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
-                  'mlp_hidden', 'vocab_size'):
-      if hf_cfg[field] != cfg.model[field]:
-        raise ValueError(f'init_from={path}: HF model has {field}={hf_cfg[field]}, the config '
-                         f'{cfg.model[field]}; set --config.model.{field} to match.')
-    params = jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings.params)
-    return state._replace(params=params)
-  if not checkpoint.committed_steps(path):
+    params, source = convert.load_hf(path, pad_vocab_to=128)
+  elif checkpoint.committed_steps(path):
+    source = ml_collections.ConfigDict(checkpoint.read_metadata(path)['config']).model
+    if cfg.train.reset_step_on_init:
+      restored, _ = checkpoint.restore_latest_good(path, _abstract(state, shardings))
+      return restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
+    params, _ = checkpoint.restore(path, _abstract(state, shardings).params, subtree='params')
+  else:
     raise FileNotFoundError(f'init_from={path!r} is neither an HF directory (config.json) '
                             'nor a checkpoint directory with a committed step_N.')
-  restored, _ = checkpoint.restore_latest_good(path, _abstract(state, shardings))
-  if cfg.train.get('reset_step_on_init', False):  # stage 2: keep moments, restart the clock
-    restored = restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
-  return restored
+  for field in ARCHITECTURE_FIELDS:
+    if source[field] != cfg.model[field]:
+      raise ValueError(f'init_from={path}: the weights have {field}={source[field]!r}, the '
+                       f'config {cfg.model[field]!r}; set --config.model.{field} to match.')
+  params = jax.tree.map(jax.device_put, params, shardings.params)
+  return state._replace(params=params)
 
 
 def _abstract(state: TrainState, shardings: TrainState) -> TrainState:
@@ -179,7 +217,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
 
     ce_loss = ce_sum / denominator
     updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=ce_loss)
-    params = optax.apply_updates(state.params, updates)
+    params = optim.apply_updates(state.params, updates, opt_state)  # exact no-op on a skip
     metrics = {'train/CE loss': ce_loss, 'train/Z loss': z_sum / denominator,
                **optim.opt_metrics(opt_state)}
     return TrainState(params, opt_state), metrics
@@ -243,23 +281,51 @@ def _timed(fn) -> float:
 
 
 class MetricWriter:
-  """JSONL (always) and TensorBoard event files (tensorboardX), process 0 only."""
+  """metrics.jsonl and TensorBoard event files under Ai2's W&B names, process 0 only.
 
-  def __init__(self, workdir: str):
+  Resuming at step `start` drops what a run killed after its last checkpoint
+  logged past it: JSONL records with step > start (and a line cut by the
+  kill) are removed, and TensorBoard is told to purge them (a SessionLog
+  START at start + 1), so both hold exactly one history of the run.
+  """
+
+  def __init__(self, workdir: str, start: int = 0):
     self.enabled = jax.process_index() == 0
     if not self.enabled:
       return
-    from tensorboardX import SummaryWriter  # Event files without TensorFlow or torch.
-    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
-    self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    # tensorboardX writes event files without TensorFlow or torch. Its
+    # SummaryWriter would rename 'train/CE loss' to 'train/CE_loss'; TensorBoard
+    # itself accepts any tag, so Summary protos are written as they are.
+    from tensorboardX import FileWriter
+    from tensorboardX.proto import event_pb2, summary_pb2
+    self._summary = summary_pb2.Summary
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if os.path.exists(path):
+      kept = []
+      with open(path) as f:
+        for line in f:
+          try:
+            if json.loads(line)['step'] <= start:
+              kept.append(line.rstrip('\n') + '\n')
+          except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a record cut short by a hard kill
+      with open(path + '.tmp', 'w') as f:
+        f.writelines(kept)
+      os.replace(path + '.tmp', path)
+    self.jsonl = open(path, 'a')
+    self.tb = FileWriter(os.path.join(workdir, 'tensorboard'))
+    if start:
+      self.tb.add_event(event_pb2.Event(session_log=event_pb2.SessionLog(
+          status=event_pb2.SessionLog.START)), step=start + 1)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:
       return
     self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
     self.jsonl.flush()
-    for name, value in metrics.items():
-      self.tb.add_scalar(name, value, step)
+    self.tb.add_summary(self._summary(value=[
+        self._summary.Value(tag=name, simple_value=value) for name, value in metrics.items()]),
+                        step)
     self.tb.flush()
 
   def close(self) -> None:
@@ -272,17 +338,24 @@ class MetricWriter:
 
 
 class Preemption:
-  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits."""
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits.
+
+  close() puts the previous handlers back (train() may run inside a larger program).
+  """
 
   def __init__(self):
     self.requested = False
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self._handle)
+    self._previous = {sig: signal.signal(sig, self._handle)
+                      for sig in (signal.SIGTERM, signal.SIGINT)}
 
   def _handle(self, signum, frame):
     del frame
     logging.warning('Signal %d: will checkpoint after this step and exit.', signum)
     self.requested = True
+
+  def close(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
 def code_version() -> str:
@@ -312,6 +385,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                  keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
   state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
   data_state = None
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  if not ckpt.committed_steps() and any(
+      n.startswith('corrupt.step_') for n in os.listdir(ckpt_dir)):
+    # restore_latest_good set them all aside earlier; starting over from step 0
+    # here would silently replace the run.
+    raise FileNotFoundError(f'{ckpt_dir} holds only corrupt checkpoints (corrupt.step_*); '
+                            'restore a good copy there, or remove them to start afresh.')
   if ckpt.committed_steps():
     state, meta = ckpt.restore_latest_good(_abstract(state, shardings))
     data_state = meta['data']
@@ -334,7 +414,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
   flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
   peak = peak_flops(cfg.train)
-  writer = MetricWriter(workdir)
+  writer = MetricWriter(workdir, start)
   preempt = Preemption()
   logging.info('Training %s params on %d devices (mesh %s), %d micro-batches/step, '
                'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
@@ -374,7 +454,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
               f"{tps:,.0f} tok/s/dev  {elapsed / n * 1e3:.0f} ms/step"
               + ('  [skipped]' if record['optim/step skipped'] else ''), flush=True)
         pending, data_wait, window_start = [], 0.0, time.perf_counter()
-      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or stop) and evaluate:
+      # Not on preemption: the grace period is for the checkpoint.
+      if evaluate and cfg.train.eval_every and (step % cfg.train.eval_every == 0
+                                                or step == cfg.train.steps):
         val = evaluate(state.params)
         writer.write(step, val)
         last.update(val)
@@ -389,6 +471,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         logging.warning('Preempted at step %d; checkpoint written.', step)
         raise SystemExit(EXIT_PREEMPTED)
   finally:
+    preempt.close()
     loader.close()
     ckpt.close()
     writer.close()
@@ -440,15 +523,52 @@ def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: i
   print('--- sample ---\n' + tok.decode(tokens[0].tolist()) + '\n--------------', flush=True)
 
 
+def _cluster_detected() -> str | None:
+  """Names the multi-process environment JAX can configure itself from, if any."""
+  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
+    return 'JAX_COORDINATOR_ADDRESS'
+  if int(os.environ.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in os.environ:
+    return 'SLURM'  # srun: one task per host (or per accelerator)
+  if ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or os.environ.get(
+      'MEGASCALE_COORDINATOR_ADDRESS'):
+    return 'TPU pod'  # set on every host of a multi-host Cloud TPU slice
+  return None
+
+
+def init_distributed() -> None:
+  """Joins a multi-process run before any device is touched; a no-op for one process.
+
+  Explicit --coordinator_address/--process_id/--num_processes win; otherwise
+  JAX's own detection runs on TPU pods and under SLURM. CPU processes talk
+  through gloo collectives (local multi-process tests).
+  """
+  explicit = {'coordinator_address': FLAGS.coordinator_address,
+              'process_id': FLAGS.process_id, 'num_processes': FLAGS.num_processes}
+  given = [k for k, v in explicit.items() if v is not None]
+  if given and len(given) < 3:
+    raise app.UsageError(f'--{", --".join(given)} given without '
+                         f'--{", --".join(sorted(set(explicit) - set(given)))}; a '
+                         'multi-process run needs all three (or none, on a TPU pod or SLURM).')
+  source = 'flags' if given else _cluster_detected()
+  if source is None:
+    return
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(**(explicit if given else {}))
+  logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
+               jax.process_count(), source, jax.local_device_count(), jax.device_count())
+
+
 def main(argv: list[str]) -> None:
   del argv
   cfg = FLAGS.config
   if FLAGS.dry_run:
+    sys.modules.setdefault('train', sys.modules[__name__])  # plan's `import train` is this module
     import plan
-    plan.report(cfg)
+    plan.report(cfg, FLAGS.dry_run_target or None)
     return
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required (checkpoints and metrics go there).')
+  init_distributed()
   train(cfg, FLAGS.workdir)
 
 

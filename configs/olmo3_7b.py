@@ -50,6 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.mix_file = ''  # OLMo-core DataMix.OLMo_mix_0925 list (label,path lines)
   c.data.base_dir = ''  # root the mix file's relative paths are resolved against
   c.data.paths = ()  # alternative to mix_file: explicit token files, in order
+  c.data.path_remap = ()  # 'PREFIX=LOCAL' rewrites, e.g. 's3://ai2-llm/=/data/ai2-llm/'
+  c.data.allow_data_change = False  # OLMo-core ignore_fingerprint_mismatch: resume on changed data
   c.data.tokenizer_id = 'allenai/dolma2-tokenizer'  # substituted for {TOKENIZER}
   c.data.vocab_size = 100278  # dolma2 tokenizer
   c.data.eos_token_id = 100257  # dolma2 tokenizer

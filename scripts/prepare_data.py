@@ -32,12 +32,12 @@ _FORMAT = flags.DEFINE_enum('format', 'auto', ['auto', 'text', 'jsonl'],
                             'auto: .jsonl/.json files are JSONL, anything else is text.')
 _TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'JSONL field holding the document.')
 _TOKENIZER = flags.DEFINE_string('tokenizer', None, 'HuggingFace tokenizer.json path.')
-_TRAIN_VOCAB = flags.DEFINE_integer('train_vocab_size', 0,
-                                    'If > 0, first train a byte-level BPE of this size on the inputs.')
+_TRAIN_VOCAB = flags.DEFINE_integer(
+    'train_vocab_size', 0, 'If > 0, first train a byte-level BPE of this size on the inputs.')
 _EOS = flags.DEFINE_string('eos_token', '<|endoftext|>', 'EOS token (dolma2: id 100257).')
 _PAD = flags.DEFINE_string('pad_token', '<|pad|>', 'PAD token added when training a tokenizer.')
-_VOCAB = flags.DEFINE_integer('vocab_size', 0,
-                              'Token ids must be below this (cfg.data.vocab_size); 0: the tokenizer\'s.')
+_VOCAB = flags.DEFINE_integer(
+    'vocab_size', 0, 'Token ids must be below this (cfg.data.vocab_size); 0: the tokenizer size.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Where the token files go.')
 _PREFIX = flags.DEFINE_string('prefix', 'tokens', 'File name prefix (and the mix label).')
 _MAX_SHARD_MB = flags.DEFINE_float('max_shard_mb', 1024.0, 'Upper bound on each token file, MiB.')
@@ -178,8 +178,8 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
     for enc, (_, num_bytes) in zip(encodings, docs):
       ids = np.array(enc.ids + [eos_id], np.int64)
       if ids.max() >= vocab_size:
-        raise ValueError(f'document {num_docs}: token id {ids.max()} is >= vocab_size {vocab_size}; '
-                         'the tokenizer does not match cfg.data.vocab_size.')
+        raise ValueError(f'document {num_docs}: token id {ids.max()} is >= vocab_size '
+                         f'{vocab_size}; the tokenizer does not match cfg.data.vocab_size.')
       writer.write(ids)
       num_docs += 1
       num_tokens += ids.size
@@ -214,7 +214,8 @@ def main(argv):
   if _TRAIN_VOCAB.value > 0:
     tokenizer = train_tokenizer(files, _TOKENIZER.value, _TRAIN_VOCAB.value, _EOS.value, _PAD.value,
                                 _FORMAT.value, _TEXT_FIELD.value)
-    print(f'trained a {tokenizer.get_vocab_size()}-token BPE on {len(files)} files -> {_TOKENIZER.value}')
+    print(f'trained a {tokenizer.get_vocab_size()}-token BPE on {len(files)} files -> '
+          f'{_TOKENIZER.value}')
   elif not os.path.isfile(_TOKENIZER.value):
     raise FileNotFoundError(f'--tokenizer {_TOKENIZER.value!r} does not exist (a HuggingFace '
                             'tokenizer.json; or pass --train_vocab_size to train one).')
@@ -224,8 +225,9 @@ def main(argv):
                     eos_token=_EOS.value, vocab_size=_VOCAB.value,
                     max_shard_bytes=int(_MAX_SHARD_MB.value * 2**20), fmt=_FORMAT.value,
                     text_field=_TEXT_FIELD.value, batch_docs=_BATCH_DOCS.value)
-  print(f'{summary["documents"]} documents, {summary["tokens"]} tokens (EOS id {summary["eos_id"]}) '
-        f'-> {len(summary["files"])} files in {_OUTPUT_DIR.value}, mix {_PREFIX.value}.txt')
+  print(f'{summary["documents"]} documents, {summary["tokens"]} tokens '
+        f'(EOS id {summary["eos_id"]}) -> {len(summary["files"])} files in {_OUTPUT_DIR.value}, '
+        f'mix {_PREFIX.value}.txt')
 
 
 if __name__ == '__main__':

@@ -192,6 +192,18 @@ def test_subdivided_chunks_and_empty_arrays(tmp_path):
   assert state['e_RC'].shape == (0, 4) and state['h_RC'].shape == (3, 0)
 
 
+def test_subtree_restore_reads_only_that_part(tmp_path):
+  _save(tmp_path, [2])
+  ref = _reference(2)
+  params = _target(ref, _replicated_on(2))['params']
+  state, meta = checkpoint.restore(str(tmp_path), params, subtree='params')
+  assert meta['step'] == 2 and set(state) == {'dense', 'norm'}
+  np.testing.assert_array_equal(_bits(state['dense']['W_RC']), _bits(ref['W_RC']))
+  np.testing.assert_array_equal(_bits(state['norm']['v_N']), _bits(ref['v_N']))
+  with pytest.raises(ValueError, match='opt_state'):
+    checkpoint.restore(str(tmp_path), params, subtree='opt_state')
+
+
 def test_restore_casts_float_dtypes(tmp_path):
   _save(tmp_path, [1])
   ref = _reference(1)

@@ -139,6 +139,7 @@ def test_loader_batches_match_olmo_core_with_filter_and_documents(tmp_path, worl
   rejected = 0
   for rank in range(world):
     _, batches = olmo_epoch(ods, B, T, seed, 1, tmp_path / 'olmo', world, rank)
+    assert len(batches) == len(ours)
     for batch, theirs in zip(ours, batches):
       rows = slice(rank * B // world, (rank + 1) * B // world)  # device shard `rank`
       shard = {k: np.asarray(v)[rows] for k, v in batch.items()}
@@ -188,7 +189,8 @@ def test_repetition_filter_matches_olmo_core():
     x = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(0, 160)))
     if x.size > 10 and rng.random() < 0.7:
       p, count = int(rng.integers(1, 16)), int(rng.integers(1, 40))
-      run = np.tile(rng.integers(0, 1000, p), count)[:int(rng.integers(max(1, p * count - p), p * count + 1))]
+      length = int(rng.integers(max(1, p * count - p), p * count + 1))  # maybe a partial period
+      run = np.tile(rng.integers(0, 1000, p), count)[:length]
       start = int(rng.integers(0, x.size))
       x[start:start + run.size] = run[:x.size - start]
     rf = data.RepetitionFilter(int(rng.integers(1, 16)), int(rng.integers(1, 4)),
@@ -246,8 +248,10 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   dl2 = olmo_loader(ods, B, T, seed, tmp_path / 'olmo')
   dl2.load_state_dict(olmo_state)
   dl2.reshuffle(epoch=olmo_state['epoch'])
-  for a, theirs in zip(resumed, dl2):
-    np.testing.assert_array_equal(a, theirs['input_ids'].numpy())
+  theirs = [b['input_ids'].numpy() for b in dl2]  # the rest of epoch 1
+  assert len(theirs) == data.batches_per_epoch(ds, B) - k
+  for a, b in zip(resumed, theirs):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_stop_at_epoch_end(tmp_path):
@@ -264,7 +268,8 @@ def test_changed_data_is_refused_on_resume(tmp_path):
   with open(paths[1], 'ab') as f:
     f.write(np.zeros(16, np.uint32).tobytes())
   changed = make_ds(paths, 16)
-  with pytest.raises(ValueError, match=f'{paths[1]} \\(8000 bytes\\), is {paths[1]} \\(8064 bytes\\)'):
+  match = f'{paths[1]} \\(8000 bytes\\), is {paths[1]} \\(8064 bytes\\)'
+  with pytest.raises(ValueError, match=match):
     data.check_resume(state, changed)
   data.check_resume(state, changed, allow_changed=True)
   with pytest.raises(ValueError, match=f'file #2 {paths[2]} \\(2000 bytes\\) was removed'):
@@ -286,7 +291,7 @@ def test_bad_input_errors_name_the_file(tmp_path):
     make_ds(good + [str(odd)], 8)
   with pytest.raises(FileNotFoundError, match='missing.npy: token file does not exist'):
     make_ds(good + [str(tmp_path / 'missing.npy')], 8)
-  with pytest.raises(ValueError, match='seq_len 512 is larger than every file.*part-001.npy, has 200'):
+  with pytest.raises(ValueError, match='seq_len 512 is larger than every file.*001.npy, has 200'):
     make_ds(good, 512)
   with pytest.raises(ValueError, match='cfg.data.paths is empty'):
     make_ds([], 8)
@@ -294,10 +299,13 @@ def test_bad_input_errors_name_the_file(tmp_path):
   np.array([5] * 20 + [VOCAB] + [6] * 11, np.uint32).tofile(big)
   ds = make_ds([str(big)], 8)
   ds.read([0, 1])  # rows without the bad id read fine
-  with pytest.raises(ValueError, match=f'{big}: token id {VOCAB} at token offset 20 is >= vocab_size'):
+  with pytest.raises(ValueError, match=f'{big}: token id {VOCAB} at token offset 20 is >= vocab'):
     ds.read([3, 2])
   with pytest.raises(ValueError, match=f'{big}: token id {VOCAB} at token offset 20'):
     ds.check_tokens()
+  with data.Loader(ds, seed=0, global_batch_size=4) as loader:  # raised in the consumer thread
+    with pytest.raises(ValueError, match=f'{big}: token id {VOCAB}'):
+      next(loader)
   mix = tmp_path / 'mix.txt'
   mix.write_text(f'a,{good[0]},400\nb,{good[1]},900\n')
   mix_paths, _, listed = data.read_mix(str(mix))
@@ -332,7 +340,8 @@ def test_mix_file_tokenizer_base_dir_and_remap(tmp_path):
   assert ds.fingerprint == olmo_ds(paths, 8, tmp_path).fingerprint
   with pytest.raises(FileNotFoundError, match='remote paths are not read directly'):
     data.Dataset.from_config(_cfg(mix_file=str(mix), base_dir='s3://ai2-llm'))
-  relative = data.Dataset.from_config(_cfg(paths=(os.path.basename(paths[2]),), base_dir=str(local)))
+  relative = data.Dataset.from_config(_cfg(paths=(os.path.basename(paths[2]),),
+                                           base_dir=str(local)))
   assert relative.files[0].path == paths[2]
 
 
@@ -372,7 +381,8 @@ def test_shipped_shakespeare_corpus():
 
 
 def _prepare_module():
-  spec = importlib.util.spec_from_file_location('prepare_data', os.path.join(REPO, 'scripts/prepare_data.py'))
+  spec = importlib.util.spec_from_file_location('prepare_data',
+                                                os.path.join(REPO, 'scripts/prepare_data.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -405,10 +415,12 @@ jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 jax.distributed.initialize(coordinator_address='127.0.0.1:' + sys.argv[1], num_processes=2,
                            process_id=int(sys.argv[2]))
 import data
-ds = data.Dataset(sys.argv[3:], seq_len=16, vocab_size=100278, eos_token_id=100257, pad_token_id=100277)
+ds = data.Dataset(sys.argv[3:], seq_len=16, vocab_size=100278, eos_token_id=100257,
+                  pad_token_id=100277)
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
 sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data', None))
-replicated = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+replicated = jax.jit(lambda x: x, out_shardings=everywhere)
 with data.Loader(ds, seed=9, global_batch_size=8, step=2, sharding=sharding) as loader:
   full = [np.asarray(replicated(next(loader)['tokens'])).tolist() for _ in range(2)]
 print(json.dumps({'rows': loader.rows.tolist(), 'devices': jax.device_count(), 'full': full}))
