@@ -380,6 +380,17 @@ def loss_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
   return ce_sum, z_loss * z_sq_sum
 
 
-def loss_denominator(labels_BT: jax.Array) -> jax.Array:
-  """Labels != -100 in the whole global batch (rejected instances' labels included)."""
-  return jnp.sum(labels_BT != IGNORE_INDEX, dtype=jnp.int32)
+def loss_denominator(labels_BT: jax.Array, instance_mask_B: jax.Array | None = None
+                     ) -> jax.Array:
+  """Label count of the whole global batch that the summed losses are divided by.
+
+  Labels != -100 of kept instances, plus all T positions of each instance the
+  repetition filter rejected: OLMo-core's train module adds
+  `(~instance_mask).sum() * tokens_per_instance` back, so a rejected instance
+  counts as T zero-loss tokens.
+  """
+  valid_BT = labels_BT != IGNORE_INDEX
+  if instance_mask_B is None:
+    return jnp.sum(valid_BT, dtype=jnp.int32)
+  kept = jnp.sum(valid_BT & instance_mask_B[:, None], dtype=jnp.int32)
+  return kept + jnp.sum(~instance_mask_B, dtype=jnp.int32) * labels_BT.shape[1]

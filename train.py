@@ -194,7 +194,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
                            z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
 
   def step(state: TrainState, batch: dict[str, jax.Array]):
-    denominator = jnp.maximum(optim.loss_denominator(batch['labels']), 1).astype(jnp.float32)
+    denominator = optim.loss_denominator(batch['labels'], batch['instance_mask'])
+    denominator = jnp.maximum(denominator, 1).astype(jnp.float32)
 
     def loss(params, mb):
       ce, z = sums(params, mb)
@@ -232,7 +233,7 @@ def make_eval_step(cfg: ml_collections.ConfigDict):
     h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'))
     ce, _ = optim.loss_sums(h_BTD, params['lm_head']['w'], batch['labels'],
                             batch['instance_mask'], z_loss=0.0, chunk=cfg.opt.loss_chunk)
-    return ce, optim.loss_denominator(batch['labels'])
+    return ce, optim.loss_denominator(batch['labels'], batch['instance_mask'])
   return step
 
 

@@ -425,7 +425,14 @@ class LossTest(parameterized.TestCase):
     np.testing.assert_allclose(ce, want_ce, rtol=1e-5)
     np.testing.assert_allclose(zs, want_z, rtol=1e-5)
     self.assertEqual(int(optim.loss_denominator(labels)), int((labels != -100).sum()))
-    self.assertEqual(int(optim.loss_denominator(labels)), 4 * 9 - 3)  # rejected row counts
+
+  def test_denominator_counts_rejected_instances_as_full_length(self):
+    """OLMo-core TransformerTrainModule: rejected rows' labels become -100, then T is added back."""
+    _, _, labels, mask = _loss_batch()
+    olmo_core_labels = np.where(np.asarray(mask)[:, None], labels, -100)
+    want = (olmo_core_labels != -100).sum() + (~np.asarray(mask)).sum() * labels.shape[1]
+    self.assertGreater((~np.asarray(mask)).sum(), 0)
+    self.assertEqual(int(optim.loss_denominator(labels, mask)), int(want))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_bf16_hidden_upcasts_logits(self):
