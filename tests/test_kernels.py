@@ -262,3 +262,26 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match='segment_ids_BT'):
     kernels.flash_attention(q, kv, kv, segment_ids_BT=jnp.zeros((1, 255), jnp.int32),
                             interpret=True)
+
+
+def test_whole_model_gradients_match_xla_path():
+  """The model with attention_impl='pallas' (interpret mode) and remat on vs the XLA path."""
+  import model
+  from configs import small
+  cfg = small.get_config().model
+  cfg.update(vocab_size=128, d_model=256, num_heads=2, num_kv_heads=1, head_dim=128,
+             mlp_hidden=256, num_layers=4, sliding_window=100, remat='full')
+  params = model.init_params(cfg, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (1, 256), 0, 128)
+
+  def loss(p, impl):
+    c = cfg.copy_and_resolve_references()
+    c.attention_impl = impl
+    logp = jax.nn.log_softmax(model.logits(p, tokens, c))
+    return -jnp.mean(jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1))
+  want_loss, want = jax.jit(jax.value_and_grad(lambda p: loss(p, 'xla')))(params)
+  got_loss, got = jax.jit(jax.value_and_grad(lambda p: loss(p, 'pallas')))(params)
+  # f32 throughout; the kernel's online softmax reorders sums (see TOLERANCE).
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)) + 1e-8
