@@ -239,3 +239,15 @@ def test_bad_config_is_named():
     model.validate(_tiny_cfg(num_layers=6))
   with pytest.raises(ValueError, match='remat'):
     model.validate(_tiny_cfg(remat='sometimes'))
+
+
+@pytest.mark.parametrize('window', [None, 1, 5])
+def test_cudnn_path_window_mapping(window):
+  """The GPU path's local_window_size=(W-1, 0) equals our (i-W, i] mask (XLA backend on CPU)."""
+  q = jax.random.normal(jax.random.key(0), (2, 12, 4, 8))
+  k, v = jax.random.normal(jax.random.key(1), (2, 2, 12, 2, 8))
+  local = None if window is None else (window - 1, 0)
+  got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                     implementation='xla')
+  want = model.xla_attention(q, k, v, window=window)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
