@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 Params = dict[str, dict[str, jax.Array]]
+BATCH_AXES = ('data', 'fsdp')  # mesh axes the batch is split over (train.make_mesh)
 
 # Which activations a remat'd scan group keeps for the backward pass. 'full'
 # recomputes everything but the group's input; the save-lists keep the named
@@ -87,6 +89,19 @@ def layer_window(cfg: ml_collections.ConfigDict, layer: int) -> int | None:
   # Olmo 3 (HF, OLMo-core after Aug 2025): query i sees (i-W, i]. The knob
   # reproduces OLMo-core's earlier (i-W-1, i], which most of stage 1 used.
   return cfg.sliding_window + int(cfg.sliding_window_plus_one)
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Keeps an activation split over the batch axes when traced under a mesh.
+
+  Without it, XLA may follow the FSDP-sharded weights and hold the whole
+  batch on every device (N-fold redundant compute and memory). Outside a
+  mesh context (tests, eval, CPU) it does nothing.
+  """
+  axes = tuple(a for a in BATCH_AXES if a in jax.sharding.get_abstract_mesh().axis_names)
+  if not axes:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))
 
 
 # --- Norms and rotary embeddings -------------------------------------------
@@ -176,14 +191,19 @@ def xla_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
   """Reference attention: float32 softmax, probabilities cast to the input dtype (HF eager)."""
   b, t, h, k = q_BTHK.shape
   g = k_BSGK.shape[2]
-  q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
-  logits_BGRTS = jnp.einsum('btgrk,bsgk->bgrts', q_BTGRK, k_BSGK,
+  # Head-major operands, so both products are plain batched matmuls over
+  # (b, g) and the [.., T, S] probabilities feed the second one in the layout
+  # the softmax wrote them (on CPU XLA otherwise copies them to transpose).
+  q_BGRTK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)
+  k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
+  v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
+  logits_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', q_BGRTK, k_BGSK,
                             preferred_element_type=jnp.float32) * k ** -0.5
   mask_BTS = attention_mask(t, k_BSGK.shape[1], window, segment_ids_BT)
   logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, -jnp.inf)
   probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(q_BTHK.dtype)
-  out_BTGRK = jnp.einsum('bgrts,bsgk->btgrk', probs_BGRTS, v_BSGK)
-  return out_BTGRK.reshape(b, t, h, k)
+  out_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', probs_BGRTS, v_BGSK)
+  return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
 def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
@@ -287,7 +307,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
     embedding_VD = hk.get_parameter(
         'embedding', (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype),
         init=_trunc_normal(cfg))
-  x_BTD = jnp.take(embedding_VD, tokens_BT, axis=0).astype(dtype)
+  x_BTD = constrain_batch(jnp.take(embedding_VD, tokens_BT, axis=0).astype(dtype))
   layer = _layer_params(cfg)
 
   b, t = tokens_BT.shape
@@ -303,7 +323,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
       p = {name: value[j] for name, value in group_params.items()}
       x_BTD = _block(x_BTD, p, window=layer_window(cfg, j), rope=ropes[kind],
                      segment_ids_BT=segment_ids_BT, cfg=cfg)
-    return x_BTD, None
+    return constrain_batch(x_BTD), None
 
   if cfg.remat != 'none':
     group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat],

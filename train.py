@@ -8,6 +8,7 @@ Reading order: mesh and shardings, state init, the jitted step, the loop.
 Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
+import glob
 import json
 import os
 import signal
@@ -62,10 +63,12 @@ flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (w
                      '--coordinator_address).')
 flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run (with '
                      '--coordinator_address).')
+flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
+                     'other processes of a multi-process run abort (JAX default 100).')
 FLAGS = flags.FLAGS
 
 EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
-BATCH_AXES = ('data', 'fsdp')  # the global batch is split over both
+BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
 
 
 class TrainState(NamedTuple):
@@ -189,7 +192,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
   net, tx = model.build(cfg.model), optim.make_optimizer(cfg.opt)
 
   def sums(params, mb):
-    h_BTD = net.apply(params, mb['tokens'], mb.get('segment_ids'))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # model.constrain_batch needs it
+      h_BTD = net.apply(params, mb['tokens'], mb.get('segment_ids'))
     return optim.loss_sums(h_BTD, params['lm_head']['w'], mb['labels'], mb['instance_mask'],
                            z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
 
@@ -225,12 +229,13 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
   return step
 
 
-def make_eval_step(cfg: ml_collections.ConfigDict):
+def make_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
   """(CE sum, label count) of one held-out batch."""
   net = model.build(cfg.model)
 
   def step(params, batch):
-    h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'))
     ce, _ = optim.loss_sums(h_BTD, params['lm_head']['w'], batch['labels'],
                             batch['instance_mask'], z_loss=0.0, chunk=cfg.opt.loss_chunk)
     return ce, optim.loss_denominator(batch['labels'], batch['instance_mask'])
@@ -382,6 +387,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   validate(cfg)
   os.makedirs(workdir, exist_ok=True)
   mesh = make_mesh(cfg.train)
+  # Before anything is built: the batch must split over the batch axes, and
+  # each device's share into micro-batches (clear errors from data.py).
+  accum = data.grad_accum_steps(cfg.data.global_batch_size,
+                                int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
+                                cfg.train.micro_batch_size)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                  keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
   state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
@@ -406,8 +416,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   loader = data.Loader.from_config(
       cfg.data, ds, state=data_state, sharding=sharding,
       cache_dir=cfg.data.cache_dir or os.path.join(workdir, 'data_cache'))
-  shards = data.num_batch_shards(sharding, cfg.data.global_batch_size, cfg.data.seq_len)
-  accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
   train_step = jax.jit(make_train_step(cfg, mesh, accum), donate_argnums=0,
                        out_shardings=(shardings, None))
   evaluate = held_out_evaluator(cfg, mesh)
@@ -490,7 +498,7 @@ def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
   batch_size -= batch_size % data.num_batch_shards(batch_sharding(mesh), batch_size) or 0
   batches = data.validation_batches(val_ds, batch_size, cfg.data.validation_batches,
                                     document_masking=cfg.data.document_masking)
-  step = jax.jit(make_eval_step(cfg))
+  step = jax.jit(make_eval_step(cfg, mesh))
   sharding = batch_sharding(mesh)
 
   def evaluate(params):
@@ -530,9 +538,11 @@ def _cluster_detected() -> str | None:
     return 'JAX_COORDINATOR_ADDRESS'
   if int(os.environ.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in os.environ:
     return 'SLURM'  # srun: one task per host (or per accelerator)
-  if ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or os.environ.get(
-      'MEGASCALE_COORDINATOR_ADDRESS'):
-    return 'TPU pod'  # set on every host of a multi-host Cloud TPU slice
+  if (os.environ.get('TPU_WORKER_HOSTNAMES') or os.environ.get('MEGASCALE_COORDINATOR_ADDRESS')
+      or glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*')):
+    # A Cloud TPU VM (its chips, or GKE's host list): JAX reads the slice's hosts
+    # from the metadata server; a single-host slice becomes one process.
+    return 'Cloud TPU'
   return None
 
 
@@ -554,7 +564,10 @@ def init_distributed() -> None:
   if source is None:
     return
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(**(explicit if given else {}))
+  # A dead peer is noticed by its missing heartbeats: the survivors abort
+  # instead of hanging in a collective, so the launcher can restart them all.
+  jax.distributed.initialize(**(explicit if given else {}),
+                             heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
   logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
 
@@ -563,6 +576,10 @@ def main(argv: list[str]) -> None:
   del argv
   cfg = FLAGS.config
   if FLAGS.dry_run:
+    if jax.device_count() != FLAGS.dry_run_devices:
+      raise app.UsageError(f'the dry run sees {jax.device_count()} devices, not '
+                           f'--dry_run_devices={FLAGS.dry_run_devices}: write the flag as '
+                           '--dry_run_devices=N (it is read before jax is imported).')
     sys.modules.setdefault('train', sys.modules[__name__])  # plan's `import train` is this module
     import plan
     plan.report(cfg, FLAGS.dry_run_target or None)

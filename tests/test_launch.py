@@ -1,0 +1,273 @@
+"""Tests for scripts/launch.py and the faults a weeks-long run meets.
+
+The restart loop is checked with stand-in trainers (tiny Python commands that
+crash, make progress or trap signals); the acceptance runs the real train.py
+under the launcher, kills it with SIGKILL at random steps and with SIGTERM
+during an asynchronous checkpoint save, and compares the final params bit for
+bit with an uninterrupted run. Fault tests (disk full during a save, a data
+file that vanishes mid-run, a NaN loss) end the same way: the latest committed
+checkpoint restores and the run reaches the undisturbed run's params.
+"""
+
+import os
+import pathlib
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import checkpoint  # noqa: E402
+import data  # noqa: E402
+import optim  # noqa: E402
+import train  # noqa: E402
+from configs import small  # noqa: E402
+from scripts import launch  # noqa: E402
+from test_multihost import (REPO, TRAIN_FILE, assert_bitwise_equal,  # noqa: E402
+                            copy_checkpoints, final_params, run_train, spawn_train, train_args,
+                            trainer_env, wait_for_step)
+
+STEPS = 10
+
+
+def committed(workdir) -> list[int]:
+  return checkpoint.committed_steps(os.path.join(workdir, 'checkpoints'))
+
+
+def fake_trainer(tmp_path, body: str) -> list[str]:
+  """A stand-in trainer command: `body` runs with `ckpt` = <workdir>/checkpoints."""
+  script = tmp_path / 'fake_trainer.py'
+  script.write_text('import os, signal, sys, time\n'
+                    f'ckpt = {str(tmp_path / "w" / "checkpoints")!r}\n' + body)
+  return [sys.executable, str(script), f'--workdir={tmp_path / "w"}']
+
+
+def test_exit_code_matches_train():
+  assert launch.EXIT_PREEMPTED == train.EXIT_PREEMPTED
+
+
+def test_gives_up_after_failures_without_progress_with_backoff(tmp_path):
+  command = fake_trainer(tmp_path, 'sys.exit(7)\n')
+  rc = launch.main(['--max_failures=3', '--backoff=0.01', '--', *command])
+  assert rc == 7
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 3
+  assert re.findall(r'restarting in ([0-9.]+) s', log) == ['0.02', '0.04']  # doubles
+  assert 'Giving up' in log
+
+
+def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
+  # Each attempt commits one more step and crashes; the sixth finishes. With
+  # max_failures=2 only the progress keeps the launcher going.
+  body = ('n = len(os.listdir(ckpt)) if os.path.isdir(ckpt) else 0\n'
+          'if n == 5: sys.exit(0)\n'
+          'os.makedirs(os.path.join(ckpt, f"step_{n + 1}"))\n'
+          'open(os.path.join(ckpt, f"step_{n + 1}", "COMMIT"), "w").close()\n'
+          'sys.exit(1)\n')
+  rc = launch.main(['--max_failures=2', '--backoff=0', '--', *fake_trainer(tmp_path, body)])
+  assert rc == 0
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 6 and log.count('(progress)') == 5
+  assert 'finished (exit 0)' in log
+
+
+def test_preempted_exit_restarts_and_sigterm_to_launcher_is_forwarded(tmp_path):
+  # The stand-in exits EXIT_PREEMPTED on SIGTERM (as train.py does after its
+  # checkpoint); a signalled launcher passes the signal on and does not restart.
+  body = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
+          'print("ready", flush=True)\ntime.sleep(60)\n')
+  proc = subprocess.Popen([sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0',
+                           '--', *fake_trainer(tmp_path, body)], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  assert proc.stdout.readline().strip() == 'ready'
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 3, err
+  assert 'not restarting' in err and err.count('started pid') == 1
+
+
+def test_usage_errors_name_the_fix(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    launch.main(['python', 'train.py'])
+  assert 'after `--`' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    launch.main(['--', 'python', 'train.py', '--workdir', str(tmp_path)])
+  assert 'no --workdir' in capsys.readouterr().err
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """The undisturbed run: 2 devices, STEPS steps, a checkpoint every 2."""
+  workdir = tmp_path_factory.mktemp('reference')
+  run_train(workdir, STEPS, 2)
+  return workdir
+
+
+def _current_child(log: pathlib.Path, attempt: int, timeout: float = 120) -> int:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    found = re.findall(r'attempt (\d+): started pid (\d+)', log.read_text() if log.exists() else '')
+    if found and int(found[-1][0]) == attempt:
+      return int(found[-1][1])
+    time.sleep(0.05)
+  raise AssertionError(f'attempt {attempt} never started')
+
+
+def _lines(path: pathlib.Path) -> int:
+  return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _during_save(ckpt: pathlib.Path, timeout: float = 10) -> bool:
+  """Waits until a save is in flight (its tmp.step_* directory exists)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if any(p.name.startswith('tmp.step_') for p in ckpt.glob('tmp.step_*')):
+      return True
+    time.sleep(0.002)
+  return False
+
+
+@pytest.mark.slow
+def test_sigkills_and_sigterm_under_the_launcher_end_bit_exact(reference, tmp_path):
+  seed = int(time.time())
+  rng = np.random.default_rng(seed)
+  kill_steps = sorted(int(s) for s in rng.choice(np.arange(2, STEPS - 2), 3, replace=False))
+  kill_steps.append(STEPS - 1)
+  workdir = tmp_path / 'run'
+  launcher = subprocess.Popen(
+      [sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0', '--max_failures=3',
+       '--', *train_args(workdir, STEPS, 1)], cwd=REPO, env=trainer_env(2),
+      stdout=subprocess.DEVNULL, stderr=open(tmp_path / 'launcher.err', 'w'))
+  log = workdir / 'launcher.log'
+  caught_save = False
+  for attempt, step in enumerate(kill_steps, 1):
+    pid = _current_child(log, attempt)
+    wait_for_step(workdir, step, launcher, since=_lines(workdir / 'metrics.jsonl'))
+    if step == kill_steps[-1]:  # preemption: SIGTERM while a checkpoint is being written
+      caught_save = _during_save(workdir / 'checkpoints')
+      os.kill(pid, signal.SIGTERM)
+    else:
+      time.sleep(rng.uniform(0, 0.3))  # anywhere in the step or its save
+      os.kill(pid, signal.SIGKILL)
+  assert launcher.wait(timeout=600) == 0, (tmp_path / 'launcher.err').read_text()[-3000:]
+  text = log.read_text()
+  assert text.count('started pid') == 5, text
+  assert text.count('killed by signal 9') == 3 and 'preempted, checkpoint written' in text, text
+  print(f'seed {seed}: SIGKILL after steps {kill_steps[:-1]}, SIGTERM after step '
+        f'{kill_steps[-1]} ({"during" if caught_save else "not during"} an async save)')
+  assert_bitwise_equal(final_params(workdir), final_params(reference))
+
+
+def _limit_file_size(limit: int):
+  def set_limit():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG, as ENOSPC on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+  return set_limit
+
+
+@pytest.mark.slow
+def test_disk_full_during_save_keeps_last_checkpoint_and_resumes_exact(reference, tmp_path):
+  copy_checkpoints(reference, tmp_path, upto=4)
+  # Each embedding shard is 1 MB: the step-6 save cannot finish.
+  proc = subprocess.run(train_args(tmp_path, STEPS, 2), cwd=REPO, env=trainer_env(2),
+                        capture_output=True, text=True, timeout=300,
+                        preexec_fn=_limit_file_size(512 << 10))
+  out = proc.stdout + proc.stderr
+  assert proc.returncode != 0, out[-3000:]
+  assert 'Checkpoint save of step 6' in out and 'earlier checkpoints are intact' in out, out[-3000:]
+  assert committed(tmp_path) == [2, 4]
+  assert not list((tmp_path / 'checkpoints').glob('tmp.step_*'))
+  run_train(tmp_path, STEPS, 2)
+  assert_bitwise_equal(final_params(tmp_path), final_params(reference))
+
+
+@pytest.mark.slow
+def test_data_file_vanishing_mid_run(reference, tmp_path):
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  copy = data_dir / TRAIN_FILE.name
+  shutil.copy(TRAIN_FILE, copy)
+  paths = f'--config.data.paths=("{copy}",)'
+  proc = spawn_train(tmp_path, 6, 2, paths, log=tmp_path / 'log')
+  wait_for_step(tmp_path, 2, proc)
+  copy.unlink()
+  # The file is memory mapped from the first batch on: the run does not notice.
+  assert proc.wait(timeout=300) == 0, (tmp_path / 'log').read_text()[-3000:]
+  # A restart does notice, and says which file and where to look.
+  out = run_train(tmp_path, STEPS, 2, paths, expect_rc=1)
+  assert f'{copy}: token file does not exist' in out
+  assert committed(tmp_path) == [2, 4, 6]
+  shutil.copy(TRAIN_FILE, copy)
+  run_train(tmp_path, STEPS, 2, paths)
+  assert_bitwise_equal(final_params(tmp_path), final_params(reference))
+
+
+def _tiny_config():
+  """The dimensions of test_multihost.TINY as a ConfigDict, for in-process steps."""
+  cfg = small.get_config()
+  m = cfg.model
+  m.num_layers, m.d_model, m.num_heads, m.num_kv_heads = 4, 64, 2, 2
+  m.head_dim, m.mlp_hidden, m.sliding_window = 32, 128, 16
+  cfg.data.seq_len, cfg.data.global_batch_size, cfg.train.micro_batch_size = 64, 8, 1
+  return cfg
+
+
+def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
+  """A poisoned batch (label -7) turns its loss and gradients into NaN inside the jitted step."""
+  poison = -7
+  original = optim.loss_sums
+
+  def poisoned_loss_sums(h_BTD, w_DV, labels_BT, mask_B, **kw):
+    bad = jnp.any(labels_BT == poison)
+    ce, z = original(h_BTD, w_DV, jnp.where(labels_BT == poison, optim.IGNORE_INDEX, labels_BT),
+                     mask_B, **kw)
+    return ce * jnp.where(bad, jnp.nan, 1.0), z
+  monkeypatch.setattr(optim, 'loss_sums', poisoned_loss_sums)
+
+  cfg = _tiny_config()
+  mesh = train.make_mesh(cfg.train, jax.devices()[:2])  # 2 devices compile faster than 8
+  state, shardings = train.create_state(cfg, mesh, jax.random.key(0))
+  ds = data.Dataset.from_config(cfg.data)
+  loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=8)
+  step = jax.jit(train.make_train_step(cfg, mesh, accum=4), out_shardings=(shardings, None))
+  put = lambda b: {k: jax.device_put(v, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*train.batch_sharding(mesh).spec[:np.ndim(v)])))
+      for k, v in b.items()}
+  host = lambda t: jax.tree.map(np.asarray, t)
+  with loader:
+    batches = [next(loader) for _ in range(5)]
+  batches[3]['labels'][0, 0] = poison
+  for b in batches[:3]:
+    state, m = step(state, put(b))
+    assert float(m['optim/step skipped']) == 0
+  before = host(state)
+  state, m = step(state, put(batches[3]))
+  after = host(state)
+  assert np.isnan(float(m['train/CE loss'])) and float(m['optim/step skipped']) == 1
+  for name in ('params', 'mu', 'nu'):  # bit for bit untouched
+    a = before.params if name == 'params' else getattr(before.opt_state, name)
+    b = after.params if name == 'params' else getattr(after.opt_state, name)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+  assert after.opt_state.count == before.opt_state.count == 3
+  assert after.opt_state.step == 4 and after.opt_state.history_len == 3  # NaN kept out
+  # The checkpoint written after the NaN restores and the next step is a normal one.
+  with checkpoint.Checkpointer(tmp_path, fsync=False) as ckpt:
+    ckpt.save(4, state)
+    ckpt.wait()
+    target = train._abstract(state, shardings)  # pylint: disable=protected-access
+    restored, _ = ckpt.restore(target)
+  state, m = step(state, put(batches[4]))
+  restored, m2 = step(restored, put(batches[4]))
+  assert np.isfinite(float(m['train/CE loss'])) and float(m['optim/step skipped']) == 0
+  assert_bitwise_equal({str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))},
+                       {str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(restored))})

@@ -1,0 +1,331 @@
+"""Multi-process training, elastic resize and a killed worker, for real on this machine.
+
+Every run is `train.py` in subprocesses on simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N per process), two-process
+runs talk through jax.distributed on localhost with gloo collectives. The
+references are independent of the code under test where it matters: the
+instance ids each process must read come from numpy's PCG64 shuffle of the
+raw token file (OLMO3.md §3), and final parameters are read back straight from
+the checkpoint's zarr arrays with tensorstore. Losses across different device
+counts agree within reduction-order noise; runs with the same layout agree bit
+for bit.
+
+Shared with tests/test_launch.py: TINY, run_train, spawn_train, metrics,
+final_params, wait_for_step.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRAIN_FILE = REPO / 'data' / 'shakespeare-train-00000.npy'
+SEQ, BATCH, SEED = 64, 8, 34521
+# configs/small.py shrunk so one step is milliseconds and a run is mostly start-up.
+TINY = ['--config=configs/small.py', '--config.model.num_layers=4', '--config.model.d_model=64',
+        '--config.model.num_heads=2', '--config.model.num_kv_heads=2',
+        '--config.model.head_dim=32', '--config.model.mlp_hidden=128',
+        '--config.model.sliding_window=16', f'--config.data.seq_len={SEQ}',
+        f'--config.data.global_batch_size={BATCH}', '--config.train.micro_batch_size=1',
+        '--config.train.log_every=1', '--config.train.eval_every=0',
+        '--config.train.keep_last=100', '--config.train.peak_flops=1e12', '--sample_tokens=0']
+LOSS_RTOL = 2e-5  # float32 sums over a different device split: reduction order only
+
+
+def _cache_dir() -> str:
+  # One persistent compilation cache for every run of the session (start-up dominates).
+  path = os.path.join(os.environ.get('PYTEST_TMPDIR', '/tmp'), 'olmo3_test_jax_cache')
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def trainer_env(devices: int, **extra: str) -> dict[str, str]:
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              JAX_PLATFORMS='cpu', JAX_COMPILATION_CACHE_DIR=_cache_dir(),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', PYTHONUNBUFFERED='1', **extra)
+
+
+def train_args(workdir, steps: int, ckpt_every: int, *extra: str) -> list[str]:
+  return [sys.executable, str(REPO / 'train.py'), *TINY, f'--config.train.steps={steps}',
+          f'--config.train.ckpt_every={ckpt_every}', f'--workdir={workdir}', *extra]
+
+
+def spawn_train(workdir, steps: int, ckpt_every: int, *extra: str, devices: int = 2,
+                log=None, env_extra: dict[str, str] | None = None,
+                command: list[str] | None = None) -> subprocess.Popen:
+  """Starts train.py (or `command`) on `devices` simulated devices; output to `log`."""
+  out = open(log, 'a') if log else subprocess.DEVNULL
+  return subprocess.Popen(command or train_args(workdir, steps, ckpt_every, *extra), cwd=REPO,
+                          env=trainer_env(devices, **(env_extra or {})), stdout=out,
+                          stderr=subprocess.STDOUT, **({'text': True} if log else {}))
+
+
+def run_train(workdir, steps: int, ckpt_every: int, *extra: str, devices: int = 2,
+              expect_rc: int = 0, timeout: float = 300) -> str:
+  """Runs train.py to completion and returns its output; asserts the exit code."""
+  proc = subprocess.run(train_args(workdir, steps, ckpt_every, *extra), cwd=REPO,
+                        env=trainer_env(devices), capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+  return proc.stdout + proc.stderr
+
+
+GLOO_RENDEZVOUS = 'Gloo context initialization failed'
+
+
+def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
+                      wrapper: str | None = None, timeout: float = 300) -> list[str]:
+  """Two train.py processes x 2 devices on localhost; returns both outputs.
+
+  Gloo gives the processes 30 s (not configurable) to meet at their first
+  collective; on an overloaded 2-core machine one may still be compiling, so
+  that one failure is retried once.
+  """
+  for attempt in range(2):
+    procs = spawn_two_processes(workdir, steps, ckpt_every, *extra, wrapper=wrapper)
+    try:
+      outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+      for p in procs:
+        p.kill()
+    if attempt == 0 and any(GLOO_RENDEZVOUS in out for out in outs):
+      continue
+    for p, out in zip(procs, outs):
+      assert p.returncode == 0, out[-5000:]
+    return outs
+
+
+def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
+                        wrapper: str | None = None, log_dir=None) -> list[subprocess.Popen]:
+  port = free_port()
+  procs = []
+  for i in range(2):
+    args = train_args(workdir, steps, ckpt_every, *extra, f'--coordinator_address=127.0.0.1:{port}',
+                      f'--process_id={i}', '--num_processes=2', '--heartbeat_timeout=10')
+    if wrapper:
+      args[1] = wrapper
+    out = open(pathlib.Path(log_dir) / f'log{i}', 'w') if log_dir else subprocess.PIPE
+    procs.append(subprocess.Popen(args, cwd=REPO, env=trainer_env(2), text=True,
+                                  stdout=out, stderr=subprocess.STDOUT))
+  return procs
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def metrics(workdir) -> dict[int, dict[str, float]]:
+  """Per step, the last record metrics.jsonl holds (a resumed run rewrites its steps)."""
+  out = {}
+  path = pathlib.Path(workdir) / 'metrics.jsonl'
+  for line in path.read_text().splitlines():
+    record = json.loads(line)
+    out.setdefault(record['step'], {}).update(record)
+  return out
+
+
+def wait_for_step(workdir, step: int, proc: subprocess.Popen | None = None,
+                  timeout: float = 300, since: int = 0) -> None:
+  """Blocks until metrics.jsonl logs `step` after its first `since` lines (or proc exits)."""
+  path = pathlib.Path(workdir) / 'metrics.jsonl'
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    lines = path.read_text().splitlines()[since:] if path.exists() else []
+    if any(json.loads(l)['step'] >= step for l in lines if l.endswith('}')):
+      return
+    if proc is not None and proc.poll() is not None:
+      raise AssertionError(f'trainer exited ({proc.returncode}) before step {step}')
+    time.sleep(0.05)
+  raise AssertionError(f'no step {step} within {timeout} s')
+
+
+def final_params(workdir, step: int | None = None) -> dict[str, np.ndarray]:
+  """Params of a committed checkpoint, read directly from its zarr arrays."""
+  ckpt = pathlib.Path(workdir) / 'checkpoints'
+  if step is None:
+    step = max(int(p.name[5:]) for p in ckpt.glob('step_*') if (p / 'COMMIT').exists())
+  info = json.loads((ckpt / f'step_{step}' / 'metadata.json').read_text())
+  out = {}
+  for name in info['paths']:
+    if name.startswith('params/'):
+      spec = {'driver': 'zarr3', 'kvstore': {'driver': 'file',
+                                              'path': str(ckpt / f'step_{step}' / 'arrays' / name)}}
+      out[name] = ts.open(spec, open=True).result().read().result()
+  return out
+
+
+def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+  assert a.keys() == b.keys()
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+
+
+def copy_checkpoints(src, dst, upto: int) -> None:
+  """A workdir holding `src`'s committed checkpoints up to step `upto` (a resume point)."""
+  for p in (pathlib.Path(src) / 'checkpoints').glob('step_*'):
+    if int(p.name[5:]) <= upto:
+      shutil.copytree(p, pathlib.Path(dst) / 'checkpoints' / p.name)
+
+
+def expected_ids(step: int) -> np.ndarray:
+  """Instance ids of global batch `step` (0-based), from numpy alone (OLMO3.md §3)."""
+  n = TRAIN_FILE.stat().st_size // 4 // SEQ
+  order = np.arange(n, dtype=np.uint32)
+  np.random.Generator(np.random.PCG64(SEED + 1)).shuffle(order)
+  return order[step * BATCH:(step + 1) * BATCH]
+
+
+# Wraps train.py to record which training instances this process reads.
+ROW_RECORDER = '''
+import json, os, sys
+sys.path.insert(0, {repo!r})
+sys.argv[0] = os.path.join({repo!r}, 'train.py')
+import data, train
+from absl import app
+original = data.Dataset.read
+def read(self, ids):
+  if self.files[0].path.endswith('shakespeare-train-00000.npy'):
+    with open(os.environ['ROWS_LOG'] + str(train.jax.process_index()), 'a') as f:
+      f.write(json.dumps([int(i) for i in ids]) + '\\n')
+  return original(self, ids)
+data.Dataset.read = read
+app.run(train.main)
+'''
+
+
+@pytest.fixture(scope='module')
+def single4(tmp_path_factory):
+  """The reference: one process, 4 devices, 6 steps, checkpoints every 2."""
+  workdir = tmp_path_factory.mktemp('single4')
+  run_train(workdir, 6, 2, devices=4)
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def two_process(tmp_path_factory):
+  """Two processes x 2 devices, same config; each logs the instance ids it read."""
+  workdir = tmp_path_factory.mktemp('two_process')
+  wrapper = workdir / 'record_rows.py'
+  wrapper.write_text(ROW_RECORDER.format(repo=str(REPO)))
+  os.environ['ROWS_LOG'] = str(workdir / 'rows')
+  try:
+    run_two_processes(workdir, 6, 2, wrapper=str(wrapper))
+  finally:
+    del os.environ['ROWS_LOG']
+  return workdir
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_read_only_their_rows(single4, two_process):
+  one, two = metrics(single4), metrics(two_process)
+  assert sorted(one) == sorted(two) == list(range(1, 7))
+  for step in one:
+    np.testing.assert_allclose(two[step]['train/CE loss'], one[step]['train/CE loss'],
+                               rtol=LOSS_RTOL, err_msg=f'step {step}')
+    assert two[step]['optim/LR'] == one[step]['optim/LR']
+  # 4 batch shards of 8 rows: shard s holds positions s and s + 4; process p owns
+  # devices 2p and 2p + 1 (jax orders devices by process).
+  reads = [[json.loads(l) for l in (two_process / f'rows{p}').read_text().splitlines()]
+           for p in range(2)]
+  assert len(reads[0]) == len(reads[1]) >= 6  # prefetch may read ahead
+  for step in range(6):
+    ids = expected_ids(step)
+    for p in range(2):
+      mine = ids[[2 * p, 2 * p + 4, 2 * p + 1, 2 * p + 5]]
+      assert sorted(reads[p][step]) == sorted(mine.tolist()), (step, p)
+  # Written cooperatively: both processes' shards, one committed step.
+  info = json.loads((two_process / 'checkpoints/step_6/metadata.json').read_text())
+  assert info['process_count'] == 2
+  a, b = final_params(single4), final_params(two_process)
+  for name in a:
+    np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_in_either_layout(single4, two_process, tmp_path):
+  # Two processes resume one process's step 4, and one process (2 devices) the
+  # two processes' step 4; both must continue like the reference.
+  to_two, to_one = tmp_path / 'to_two', tmp_path / 'to_one'
+  copy_checkpoints(single4, to_two, upto=4)
+  copy_checkpoints(two_process, to_one, upto=4)
+  run_two_processes(to_two, 6, 2)
+  run_train(to_one, 6, 2, devices=2)
+  ref = metrics(single4)
+  for workdir in (to_two, to_one):
+    got = metrics(workdir)
+    assert sorted(got) == [5, 6]
+    for step in (5, 6):
+      np.testing.assert_allclose(got[step]['train/CE loss'], ref[step]['train/CE loss'],
+                                 rtol=LOSS_RTOL, err_msg=f'{workdir.name} step {step}')
+      assert got[step]['optim/LR'] == ref[step]['optim/LR']
+
+
+@pytest.mark.slow
+def test_elastic_resize_8_2_8_keeps_batch_order_and_schedule(single4, tmp_path):
+  # Lose 3/4 of the devices after step 2, get them back after step 4.
+  for devices, steps in ((8, 2), (2, 4), (8, 6)):
+    out = run_train(tmp_path, steps, 2, devices=devices)
+    assert f'on {devices} devices' in out
+  got, ref = metrics(tmp_path), metrics(single4)
+  assert sorted(got) == list(range(1, 7))
+  for step in got:
+    np.testing.assert_allclose(got[step]['train/CE loss'], ref[step]['train/CE loss'],
+                               rtol=LOSS_RTOL, err_msg=f'step {step}')
+    assert got[step]['optim/LR'] == ref[step]['optim/LR']  # the schedule follows the step
+    assert got[step]['throughput/total tokens'] == step * BATCH * SEQ
+    assert got[step]['throughput/device/TPS'] > 0  # per-device, so scaling can be read off
+  meta = json.loads((tmp_path / 'checkpoints/step_4/metadata.json').read_text())['metadata']
+  assert (meta['data']['step'], meta['data']['global_batch_size']) == (4, BATCH)
+  a, b = final_params(single4), final_params(tmp_path)
+  for name in a:
+    np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_killed_worker_aborts_peer_and_resume_is_exact(two_process, tmp_path):
+  procs = spawn_two_processes(tmp_path, 6, 1, log_dir=tmp_path)
+  try:
+    wait_for_step(tmp_path, 3, procs[0])
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    rc = procs[0].wait(timeout=120)  # the survivor must not hang in a collective
+    assert time.time() - start < 60
+  finally:
+    for p in procs:
+      p.kill()
+  assert rc != 0, 'the surviving process finished a run its peer never did'
+  assert 'another task died' in (tmp_path / 'log0').read_text()
+  committed = sorted(int(p.name[5:]) for p in (tmp_path / 'checkpoints').glob('step_*')
+                     if (p / 'COMMIT').exists())
+  assert committed and committed[-1] < 6
+  run_two_processes(tmp_path, 6, 1)
+  assert_bitwise_equal(final_params(tmp_path), final_params(two_process))
+
+
+def test_cluster_detection_from_the_environment(monkeypatch):
+  import train  # pylint: disable=g-import-not-at-top  (in-process: conftest's 8 devices)
+  for var in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS', 'SLURM_PROCID', 'TPU_WORKER_HOSTNAMES',
+              'MEGASCALE_COORDINATOR_ADDRESS'):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(train.glob, 'glob', lambda pattern: [])  # no TPU chips
+  assert train._cluster_detected() is None  # one process: no jax.distributed
+  monkeypatch.setenv('SLURM_NTASKS', '1')
+  monkeypatch.setenv('SLURM_PROCID', '0')
+  assert train._cluster_detected() is None  # a one-task SLURM job is one process
+  monkeypatch.setenv('SLURM_NTASKS', '16')
+  assert train._cluster_detected() == 'SLURM'
+  monkeypatch.delenv('SLURM_NTASKS')
+  monkeypatch.setattr(train.glob, 'glob', lambda pattern: ['/dev/accel0'] * ('accel' in pattern))
+  assert train._cluster_detected() == 'Cloud TPU'
