@@ -1,0 +1,43 @@
+"""The reproduction in miniature (scripts/reproduce_olmo_core.py): our side of the run.
+
+configs/small.py's tiny Olmo 3 (4 layers, d_model 256, 4 heads, MLP 768, 3
+sliding layers with window 64 then 1 full, sequence 256, the embedded 8192
+token vocabulary), float32, with a global batch of 8 x 256 tokens and a
+warmup + cosine recipe short enough to train a few hundred steps on two CPU
+cores. The script builds OLMo-core's model, optimizer and scheduler from the
+same fields, so the two sides cannot drift apart; the step-0 weights come from
+OLMo-core's init through `train.init_from` (an HF directory the script writes).
+"""
+
+import ml_collections
+
+from configs import small
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = small.get_config()
+  # OLMo-core 3.0.0 turns a window W into flash-attn's (W-1, 0): query i sees
+  # (i-W, i], W keys, the HF semantics; so the plus-one knob stays off.
+  c.model.sliding_window = 64
+  c.model.sliding_window_plus_one = False
+
+  d = c.data
+  d.global_batch_size = 8  # 8 x 256 = 2048 tokens per step
+  d.seed = 34521  # OLMo-core pretrain-1 data seed; both sides shuffle with PCG64(seed + 1)
+  d.prefetch = 2
+
+  o = c.opt
+  o.lr = 3e-3  # configs/small.py's LR
+  o.final_lr = 3e-4  # OLMo-core CosWithWarmup alpha_f = 0.1
+  o.schedule = 'cosine'  # OLMo-core CosWithWarmup
+  o.warmup_steps = 20
+  o.t_max = 200  # the cosine ends with the run (CosWithWarmup t_max = trainer max_steps)
+
+  t = c.train
+  t.steps = 200
+  t.micro_batch_size = 8  # one micro-batch: OLMo-core's loop below does not split either
+  t.log_every = 50
+  t.ckpt_every = 200  # only the final state is read back
+  t.keep_last = 1
+  t.eval_every = 0  # the script evaluates both final models on the same held-out batches
+  return c
