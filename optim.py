@@ -367,7 +367,13 @@ def loss_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
   def chunk_sums(w_DV, h_BCD, y_BC, m_BC):
     logits_BCV = (h_BCD @ w_DV).astype(jnp.float32)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    target_BC = jnp.take_along_axis(logits_BCV, y_BC[..., None], axis=-1)[..., 0]
+    # The target logit as h . w[:, y] from the gathered head columns, rounded
+    # like the logits: gathering it from the logits instead costs a scatter
+    # into a [B, C, V] buffer of zeros in the backward (a pass over the
+    # largest array of the step; here the scatter is into [D, V]).
+    w_DBC = jnp.take(w_DV, y_BC, axis=1)
+    target_BC = jnp.einsum('bcd,dbc->bc', h_BCD, w_DBC, preferred_element_type=jnp.float32
+                           ).astype(h_BCD.dtype).astype(jnp.float32)
     return (jnp.sum(jnp.where(m_BC, lse_BC - target_BC, 0.0)),
             jnp.sum(jnp.where(m_BC, jnp.square(lse_BC), 0.0)))
 

@@ -1,0 +1,431 @@
+"""Tests for train.py: bit-exact resume, resharded resume, corrupt checkpoints, accumulation.
+
+A tiny Olmo 3 (configs/small.py shrunk: 2 layers, one sliding and one full,
+d_model 64, seq 64, global batch 16, vocab 256) trains on the embedded corpus
+folded into 256 ids. The reference for every resume test is one uninterrupted
+run (module fixture `reference`); stops are made by real signals: SIGTERM
+delivered to the trainer, and SIGKILL to a train.py subprocess. The loss and
+z-loss are checked against a float64 numpy formula over the model's own
+logits. Runs on the 8 simulated CPU devices of tests/conftest.py;
+subprocesses get their device count through XLA_FLAGS.
+
+Shapes: B batch, T time, V vocab.
+"""
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoint
+from configs import small
+import data
+import model
+import optim
+import train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS, STOP = 8, 3  # the run; the step SIGTERM stops it at (not a ckpt_every multiple)
+CKPT_EVERY = 2
+VOCAB = 256
+# Ai2's W&B names (issue 5) every logged step must carry.
+WANDB_NAMES = ('train/CE loss', 'train/Z loss', 'train/PPL', 'optim/LR', 'optim/total grad norm',
+               'optim/step skipped', 'throughput/total tokens', 'throughput/device/TPS',
+               'throughput/device/MFU')
+# Wall-clock fields: everything else in a record must replay bit for bit.
+TIMING = ('throughput/device/TPS', 'throughput/device/MFU', 'time/step', 'time/data wait')
+
+OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --config.* flags
+    'model.vocab_size': VOCAB, 'model.num_layers': 2, 'model.layer_pattern': 'SF',
+    'model.d_model': 64, 'model.num_heads': 2, 'model.num_kv_heads': 1, 'model.head_dim': 32,
+    'model.mlp_hidden': 128,
+    'model.sliding_window': 16, 'data.vocab_size': VOCAB, 'data.seq_len': 64,
+    'data.global_batch_size': 16, 'data.validation_batches': 1, 'opt.warmup_steps': 4,
+    'train.steps': STEPS, 'train.micro_batch_size': 2, 'train.log_every': 1,
+    'train.ckpt_every': CKPT_EVERY, 'train.keep_last': 5, 'train.eval_every': 4,
+    'train.peak_flops': 1e11,  # skip measuring the matmul peak in every run
+}
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Every run here compiles the same few programs: compile each once (subprocesses too)."""
+  directory = str(tmp_path_factory.mktemp('jax_cache'))
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  saved = {name: getattr(jax.config, name) for name in names}
+  jax.config.update(names[0], directory)
+  jax.config.update(names[1], 0.0)
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv('JAX_COMPILATION_CACHE_DIR', directory)
+    env.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+    yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+
+
+@pytest.fixture(scope='module')
+def token_files(tmp_path_factory) -> tuple[str, str]:
+  """Train / validation uint32 .npy token files: the embedded corpus folded into VOCAB ids."""
+  tokens = np.fromfile(REPO / 'data' / 'shakespeare-train-00000.npy', '<u4', 64 * 16 * 12)
+  folded = (tokens % VOCAB).astype(np.uint32)
+  root = tmp_path_factory.mktemp('tokens')
+  paths = str(root / 'train.npy'), str(root / 'validation.npy')
+  np.save(paths[0], folded[:64 * 16 * 10])
+  np.save(paths[1], folded[64 * 16 * 10:])
+  return paths
+
+
+def tiny_config(token_files, **changes):
+  cfg = small.get_config()
+  for key, value in {**OVERRIDES, **changes}.items():
+    group, field = key.split('.')
+    cfg[group][field] = value
+  cfg.data.paths, cfg.data.validation_paths = (token_files[0],), (token_files[1],)
+  return cfg
+
+
+def config_flags(token_files) -> list[str]:
+  flags = [f'--config.{k}={v}' for k, v in OVERRIDES.items()]
+  return flags + [f'--config.data.paths=("{token_files[0]}",)',
+                  f'--config.data.validation_paths=("{token_files[1]}",)']
+
+
+def read_metrics(workdir) -> dict[int, dict[str, float]]:
+  """metrics.jsonl as {step: all fields logged at that step}; duplicates are an error."""
+  out: dict[int, dict[str, float]] = {}
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    for line in f:
+      record = json.loads(line)
+      step = record.pop('step')
+      assert not set(record) & set(out.get(step, {})), f'step {step} logged twice'
+      out.setdefault(step, {}).update(record)
+  return out
+
+
+def replayed(metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+  return {s: {k: v for k, v in r.items() if k not in TIMING} for s, r in metrics.items()}
+
+
+def host_state(cfg, workdir, step: int):
+  """The checkpointed TrainState of `step` as numpy arrays (no devices involved)."""
+  tx = optim.make_optimizer(cfg.opt)
+
+  def init():
+    params = model.init_params(cfg.model, jax.random.key(0))
+    return train.TrainState(params, tx.init(params))
+  target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(init))
+  state, _ = checkpoint.restore(os.path.join(workdir, 'checkpoints'), target, step)
+  return state
+
+
+def assert_states_equal(a, b) -> None:
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert np.array_equal(x, y), jax.tree_util.keystr(path)
+
+
+def child_command(workdir, token_files, *, devices: int, steps: int = STEPS,
+                  hang_at: int | None = None) -> tuple[list[str], dict[str, str]]:
+  """train.py's own CLI in a fresh process; `hang_at`: block fetching that batch index."""
+  script = ('import sys, time\n'
+            f'sys.path.insert(0, {str(REPO)!r})\n'
+            'import data, train\n'
+            f'hang_at = {hang_at!r}\n'
+            'fetch = data.Loader.__next__\n'
+            'def next_or_hang(self):\n'
+            '  while self.step == hang_at:\n'
+            '    time.sleep(1)\n'
+            '  return fetch(self)\n'
+            'data.Loader.__next__ = next_or_hang\n'
+            'train.app.run(train.main)\n')
+  argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0',
+          *config_flags(token_files), f'--config.train.steps={steps}']
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  return argv, env
+
+
+@pytest.fixture(scope='module')
+def reference(token_files, tmp_path_factory):
+  """One uninterrupted 8-device run of STEPS steps: (workdir, metrics, final state)."""
+  workdir = tmp_path_factory.mktemp('reference')
+  cfg = tiny_config(token_files)
+  train.train(cfg, str(workdir))
+  return workdir, read_metrics(workdir), host_state(cfg, workdir, STEPS)
+
+
+def test_logged_names_and_files(reference):
+  workdir, metrics, _ = reference
+  assert sorted(metrics) == list(range(1, STEPS + 1))
+  for step, record in metrics.items():
+    assert set(WANDB_NAMES) <= set(record), step
+    assert record['throughput/total tokens'] == step * 16 * 64
+    assert record['train/PPL'] == pytest.approx(np.exp(record['train/CE loss']), rel=1e-6)
+  assert 'eval/lm/validation/CE loss' in metrics[4] and 'eval/lm/validation/CE loss' in metrics[8]
+  assert metrics[STEPS]['train/CE loss'] < metrics[1]['train/CE loss']  # it learns
+  assert committed(workdir) == [2, 4, 6, 8]
+
+  events = read_events(workdir / 'tensorboard')
+  for step, record in metrics.items():  # same names and (float32-rounded) values
+    for name, value in record.items():
+      assert events[step][name] == pytest.approx(value, rel=1e-6, abs=1e-30), (step, name)
+
+
+def committed(workdir) -> list[int]:
+  return checkpoint.committed_steps(os.path.join(workdir, 'checkpoints'))
+
+
+def read_events(logdir) -> dict[int, dict[str, float]]:
+  """Scalars of every TensorBoard event file: the TFRecord framing read by hand.
+
+  Each record is uint64 length, masked crc32c(length), data, masked crc32c(data);
+  the data is an Event proto (tensorboardX's own copy of TensorBoard's protos).
+  A SessionLog START at step s discards earlier-written events with step >= s,
+  as TensorBoard does on load.
+  """
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
+  scalars: dict[int, dict[str, float]] = {}
+  files = sorted(pathlib.Path(logdir).glob('events.out.tfevents.*'))
+  assert files, f'no event file in {logdir}'
+  for path in files:
+    buf = path.read_bytes()
+    pos = 0
+    while pos < len(buf):
+      header = buf[pos:pos + 8]
+      (length,) = struct.unpack('<Q', header)
+      assert struct.unpack('<I', buf[pos + 8:pos + 12])[0] == masked_crc32c(header)
+      payload = buf[pos + 12:pos + 12 + length]
+      assert struct.unpack('<I', buf[pos + 12 + length:pos + 16 + length])[0] == \
+          masked_crc32c(payload)
+      pos += 16 + length
+      event = event_pb2.Event.FromString(payload)
+      if event.session_log.status == event_pb2.SessionLog.START:
+        scalars = {s: v for s, v in scalars.items() if s < event.step}
+      for value in event.summary.value:
+        scalars.setdefault(event.step, {})[value.tag] = value.simple_value
+  return scalars
+
+
+def test_sigterm_finishes_step_checkpoints_and_resumes_bit_exact(reference, token_files,
+                                                                 tmp_path, monkeypatch):
+  ref_dir, ref_metrics, ref_state = reference
+  cfg = tiny_config(token_files)
+  fetch, handler = data.Loader.__next__, signal.getsignal(signal.SIGTERM)
+
+  def next_then_term(loader):
+    batch = fetch(loader)
+    if loader.step == STOP:  # the batch of step STOP was just taken
+      os.kill(os.getpid(), signal.SIGTERM)
+    return batch
+  monkeypatch.setattr(data.Loader, '__next__', next_then_term)
+  with pytest.raises(SystemExit) as exit_info:
+    train.train(cfg, str(tmp_path))
+  assert exit_info.value.code == train.EXIT_PREEMPTED
+  assert signal.getsignal(signal.SIGTERM) is handler  # put back
+  assert committed(tmp_path) == [2, STOP]  # the step in flight finished and was saved
+  monkeypatch.undo()
+
+  train.train(cfg, str(tmp_path))
+  assert replayed(read_metrics(tmp_path)) == replayed(ref_metrics)
+  assert_states_equal(host_state(cfg, tmp_path, STEPS), ref_state)
+  events = read_events(tmp_path / 'tensorboard')
+  assert sorted(events) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_resumes_bit_exact(reference, token_files, tmp_path):
+  """train.py killed with SIGKILL in step 6 (checkpoint 4 committed, step 5 logged)."""
+  _, ref_metrics, ref_state = reference
+  argv, env = child_command(tmp_path, token_files, devices=8, hang_at=5)
+  proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 300
+    while not (os.path.exists(tmp_path / 'checkpoints' / 'step_4' / 'COMMIT')
+               and logged_steps(tmp_path) >= 5):
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.time() < deadline, 'the child never reached step 5'
+      time.sleep(0.2)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert committed(tmp_path) == [2, 4]
+
+  cfg = tiny_config(token_files)
+  train.train(cfg, str(tmp_path))  # step 5's first record is replaced, not duplicated
+  assert replayed(read_metrics(tmp_path)) == replayed(ref_metrics)
+  assert_states_equal(host_state(cfg, tmp_path, STEPS), ref_state)
+  assert sorted(read_events(tmp_path / 'tensorboard')) == list(range(1, STEPS + 1))
+
+
+def logged_steps(workdir) -> int:
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      return max([json.loads(line)['step'] for line in f if line.endswith('\n')], default=0)
+  except FileNotFoundError:
+    return 0
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_devices_same_global_batch(reference, token_files, tmp_path):
+  """Checkpoint 4 of the 8-device run resumed on 2 and on 1 device (new processes).
+
+  The global batch stays 16 (2 -> 8 and 16 instances per device, so 4 and 8
+  micro-batches instead of 1); only the float32 reduction order changes
+  (FSDP partial sums, micro-batch accumulation), each a relative rounding of
+  ~6e-8 (one ulp). Measured over steps 5-8: at most 1.0e-7 apart. AdamW can
+  amplify such noise where a gradient is near zero, so rel=1e-5 (~100 ulps)
+  leaves headroom while any real difference (another batch, a lost or doubled
+  micro-batch) moves these by 1e-3 or more.
+  """
+  ref_dir, ref_metrics, _ = reference
+  procs = {}
+  for devices in (2, 1):
+    workdir = tmp_path / f'devices{devices}'
+    shutil.copytree(ref_dir / 'checkpoints' / 'step_4', workdir / 'checkpoints' / 'step_4')
+    argv, env = child_command(workdir, token_files, devices=devices)
+    procs[devices] = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+  for devices, proc in procs.items():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert f'on {devices} devices' in out and f'{8 // devices} micro-batches/step' in out
+    metrics = read_metrics(tmp_path / f'devices{devices}')
+    assert sorted(metrics) == list(range(5, STEPS + 1))
+    for step in range(5, STEPS + 1):
+      got, want = metrics[step], ref_metrics[step]
+      assert got['throughput/total tokens'] == want['throughput/total tokens']
+      for name in ('train/CE loss', 'train/Z loss', 'optim/total grad norm'):
+        assert got[name] == pytest.approx(want[name], rel=1e-5), (devices, step, name)
+      assert got['optim/LR'] == want['optim/LR']
+
+
+def test_corrupt_and_truncated_checkpoints_fall_back_with_a_warning(
+    reference, token_files, tmp_path, caplog):
+  ref_dir, ref_metrics, ref_state = reference
+  shutil.copytree(ref_dir / 'checkpoints', tmp_path / 'checkpoints')
+  ckpts = tmp_path / 'checkpoints'
+  flipped = chunk_files(ckpts / 'step_8' / 'arrays' / 'params' / 'embed' / 'embedding')[0]
+  raw = bytearray(flipped.read_bytes())
+  raw[len(raw) // 2] ^= 0x01  # one bit of one weight
+  flipped.write_bytes(bytes(raw))
+  cut = chunk_files(ckpts / 'step_6' / 'arrays' / 'opt_state' / 'mu' / 'mlp' / 'w_up')[0]
+  cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+
+  cfg = tiny_config(token_files)
+  with caplog.at_level(logging.WARNING):
+    train.train(cfg, str(tmp_path))
+  warned = [r.getMessage() for r in caplog.records if 'corrupt' in r.getMessage()]
+  assert any('step 8' in w for w in warned) and any('step 6' in w for w in warned), warned
+  assert sorted(p.name.split('.')[1] for p in ckpts.glob('corrupt.*')) == ['step_6', 'step_8']
+  metrics = replayed(read_metrics(tmp_path))  # resumed from step 4 and replayed 5..8
+  assert metrics == {s: r for s, r in replayed(ref_metrics).items() if s > 4}
+  assert_states_equal(host_state(cfg, tmp_path, STEPS), ref_state)
+
+
+def chunk_files(array_dir: pathlib.Path) -> list[pathlib.Path]:
+  """The zarr3 chunk files (c/i/j) under an array's directory."""
+  return sorted(p for p in array_dir.rglob('*')
+                if p.is_file() and 'c' in p.relative_to(array_dir).parts)
+
+
+def test_only_corrupt_checkpoints_stop_the_run(reference, token_files, tmp_path):
+  ref_dir, _, _ = reference
+  ckpts = tmp_path / 'checkpoints'
+  shutil.copytree(ref_dir / 'checkpoints' / 'step_2', ckpts / 'step_2')
+  for chunk in chunk_files(ckpts / 'step_2' / 'arrays' / 'params'):
+    chunk.write_bytes(b'')
+  cfg = tiny_config(token_files)
+  with pytest.raises(checkpoint.CorruptCheckpointError, match='No intact checkpoint'):
+    train.train(cfg, str(tmp_path))
+  with pytest.raises(FileNotFoundError, match='only corrupt checkpoints'):  # the relaunch
+    train.train(cfg, str(tmp_path))
+  assert not (tmp_path / 'metrics.jsonl').exists() or not read_metrics(tmp_path)
+
+
+def float64_losses(cfg, params, batch) -> tuple[float, float]:
+  """(CE, z-loss) of the global batch by the §5 formula, in float64 numpy."""
+  logits_BTV = np.asarray(model.logits(params, jnp.asarray(batch['tokens']), cfg.model),
+                          np.float64)
+  lse_BT = np.log(np.sum(np.exp(logits_BTV - logits_BTV.max(-1, keepdims=True)), -1)) + \
+      logits_BTV.max(-1)
+  labels_BT = batch['labels']
+  valid_BT = (labels_BT != -100) & batch['instance_mask'][:, None]
+  target_BT = np.take_along_axis(logits_BTV, np.maximum(labels_BT, 0)[..., None], -1)[..., 0]
+  # OLMo-core's train module: kept instances' labels, plus T per rejected instance.
+  mask_B = batch['instance_mask']
+  denominator = np.sum((labels_BT != -100) & mask_B[:, None]) + np.sum(~mask_B) * labels_BT.shape[1]
+  ce = np.sum(np.where(valid_BT, lse_BT - target_BT, 0)) / denominator
+  z = cfg.opt.z_loss * np.sum(np.where(valid_BT, lse_BT ** 2, 0)) / denominator
+  return ce, z
+
+
+def test_grad_accumulation_matches_one_big_batch(token_files):
+  """1, 2 and 4 micro-batches per device (2 devices, global batch 16) give one update."""
+  cfg = tiny_config(token_files)
+  mesh = train.make_mesh(cfg.train, jax.devices()[:2])
+  state, shardings = train.create_state(cfg, mesh, jax.random.key(1))
+  rng = np.random.default_rng(0)
+  batch = data.make_batch(rng.integers(0, VOCAB, (16, 64), dtype=np.int32), eos_token_id=0)
+  batch['instance_mask'][5] = False  # a rejected instance: out of the sums, T in the count
+  batch['labels'][3, 10:20] = -100
+  sharding = train.batch_sharding(mesh)
+  on_mesh = data.make_global_batch(batch, sharding, np.arange(16), 16)
+
+  results = {}
+  for micro in (8, 4, 2):
+    accum = data.grad_accum_steps(16, data.num_batch_shards(sharding, 16, 64), micro)
+    step = jax.jit(train.make_train_step(cfg, mesh, accum), out_shardings=(shardings, None))
+    results[accum] = jax.device_get(step(state, on_mesh))
+  assert sorted(results) == [1, 2, 4]
+
+  ce, z = float64_losses(cfg, jax.device_get(state.params), batch)
+  (new1, m1) = results[1]
+  assert m1['train/CE loss'] == pytest.approx(ce, rel=2e-6)
+  assert m1['train/Z loss'] == pytest.approx(z, rel=2e-5)
+  for accum in (2, 4):
+    new, m = results[accum]
+    for name in ('train/CE loss', 'train/Z loss', 'optim/total grad norm'):
+      assert m[name] == pytest.approx(m1[name], rel=2e-6), (accum, name)
+    # mu = (1 - b1) * clipped grad: the accumulated gradient itself. Summing 4
+    # partial gradients instead of one matmul is float32 rounding, ~1e-7 of
+    # the largest entry.
+    for (path, g), g1 in zip(jax.tree_util.tree_leaves_with_path(new.opt_state.mu),
+                             jax.tree.leaves(new1.opt_state.mu)):
+      np.testing.assert_allclose(g, g1, rtol=1e-5, atol=1e-6 * np.abs(g1).max(),
+                                 err_msg=jax.tree_util.keystr(path))
+    # Adam's first step moves each weight by lr * g / (|g| + eps) ~ lr * sign(g),
+    # so rounding shows only where |g| is within ~100 eps of zero: a handful of
+    # weights may move differently (by < 2 lr); all others agree to 1e-2 lr
+    # (the rest is the last bit of p + update).
+    lr = float(m1['optim/LR'])
+    for (path, p), p1 in zip(jax.tree_util.tree_leaves_with_path(new.params),
+                             jax.tree.leaves(new1.params)):
+      diff = np.abs(p - p1)
+      assert diff.max() <= 2 * lr and np.mean(diff > 1e-2 * lr) < 1e-3, \
+          jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize('changes, error, match', [
+    ({'train.mesh_data': 3}, ValueError, 'does not fit 8 devices'),
+    ({'train.mesh_tensor': 16}, ValueError, 'does not fit 8 devices'),
+    ({'data.global_batch_size': 12}, ValueError, 'not divisible by the 8 devices'),
+    ({'train.micro_batch_size': 3}, ValueError, 'not a multiple of micro_batch_size 3'),
+    ({'model.remat': 'most'}, ValueError, "remat='most' is not one of"),
+    ({'train.steps': 0}, ValueError, 'train.steps'),
+    ({'data.vocab_size': VOCAB + 1}, ValueError, 'exceeds model.vocab_size'),
+])
+def test_bad_config_is_a_clear_error(token_files, tmp_path, changes, error, match):
+  with pytest.raises(error, match=match):
+    train.train(tiny_config(token_files, **changes), str(tmp_path))
