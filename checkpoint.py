@@ -432,9 +432,11 @@ class Checkpointer:
             'paths': names, 'tree': str(treedef), 'checksum': CHECKSUM,
             'use_ocdbt': self.use_ocdbt, 'process_count': self._sync.count,
             'jax_version': jax.__version__}
+    # Daemon: a process that is failing must not hang at exit on a save that
+    # waits for peers (train.py abandons it then; the partial save is ignored).
     self._thread = threading.Thread(
         target=self._run, args=(step, tmp, arrays, info, key),
-        name=f'checkpoint-save-{step}')
+        name=f'checkpoint-save-{step}', daemon=True)
     self._thread.start()
 
   def _run(self, step: int, *args) -> None:

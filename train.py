@@ -359,6 +359,17 @@ class Preemption:
     logging.warning('Signal %d: will checkpoint after this step and exit.', signum)
     self.requested = True
 
+  def agreed(self) -> bool:
+    """Whether any process was signalled; every process must stop at the same step.
+
+    Multi-process runs pay one tiny host collective per step for this: a
+    process that stopped alone would leave the others hanging in the next step.
+    """
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+
   def close(self) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
@@ -440,7 +451,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       state, metrics = train_step(state, batch)
       step += 1
       pending.append((step, metrics))  # device arrays: no host sync until the log step
-      stop = preempt.requested or step == cfg.train.steps
+      stop = preempt.agreed() or step == cfg.train.steps
       if step % cfg.train.log_every == 0 or stop:
         fetched = jax.device_get(pending)
         elapsed = time.perf_counter() - window_start
@@ -475,14 +486,24 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         meta = {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
                 'code_version': code_version(), 'rng_seed': cfg.train.seed}
         ckpt.save(step, state, meta)
-      if preempt.requested:
+      if stop and step < cfg.train.steps:
         ckpt.wait()
         logging.warning('Preempted at step %d; checkpoint written.', step)
         raise SystemExit(EXIT_PREEMPTED)
+  except BaseException as e:
+    # Waiting for an in-flight save would block on peers that may wait on us
+    # (multi-process); abandon it: uncommitted saves are ignored on resume.
+    if jax.process_count() == 1 or isinstance(e, SystemExit):
+      try:
+        ckpt.close()
+      except Exception:  # pylint: disable=broad-except  # keep the original error
+        logging.exception('The in-flight checkpoint save failed too.')
+    raise
+  else:
+    ckpt.close()
   finally:
     preempt.close()
     loader.close()
-    ckpt.close()
     writer.close()
   if FLAGS.is_parsed() and FLAGS.sample_tokens:
     print_sample(cfg, state.params, FLAGS.sample_tokens)
