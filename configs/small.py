@@ -41,15 +41,15 @@ def get_config() -> ml_collections.ConfigDict:
   o = c.opt
   o.lr = 3e-3  # small models tolerate (and need) a larger LR
   o.schedule = 'cosine'
-  o.warmup_steps = 30
-  o.t_max = 300
+  o.warmup_steps = 15
+  o.t_max = 150
   o.final_lr = 3e-4
 
   t = c.train
-  t.steps = 300  # ~1.2M tokens, most of one epoch of the embedded corpus
+  t.steps = 150  # 614k tokens (~0.4 epoch): minutes on two cores
   t.micro_batch_size = 16
-  t.log_every = 20
-  t.ckpt_every = 100
+  t.log_every = 10
+  t.ckpt_every = 50
   t.keep_every = 0
-  t.eval_every = 100
+  t.eval_every = 50
   return c
