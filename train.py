@@ -451,7 +451,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       state, metrics = train_step(state, batch)
       step += 1
       pending.append((step, metrics))  # device arrays: no host sync until the log step
-      stop = preempt.agreed() or step == cfg.train.steps
+      preempted = preempt.agreed()
+      stop = preempted or step == cfg.train.steps
       if step % cfg.train.log_every == 0 or stop:
         fetched = jax.device_get(pending)
         elapsed = time.perf_counter() - window_start
@@ -486,7 +487,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         meta = {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
                 'code_version': code_version(), 'rng_seed': cfg.train.seed}
         ckpt.save(step, state, meta)
-      if stop and step < cfg.train.steps:
+      if preempted:
         ckpt.wait()
         logging.warning('Preempted at step %d; checkpoint written.', step)
         raise SystemExit(EXIT_PREEMPTED)

@@ -1,0 +1,216 @@
+"""The headline comparison: two training-loss curves and per-landmark eval deltas.
+
+    python eval_plots.py --ours=WORKDIR/metrics.jsonl --reference=wandb_export.csv \
+        --bin=2000 --out=loss.png
+    python eval_plots.py --landmarks_ours='ours/step_*.json' --landmarks_ref='ref/step_*.json'
+
+Curves (../shared/reference/OLMO3.md §6): both runs are cut into the same
+step bins ([k*bin, (k+1)*bin)), each bin is the mean of the logged values in
+it, and the lower panel is ours minus the reference on the bins both have.
+Ours comes from train.py's metrics.jsonl or its TensorBoard event files; the
+reference from a W&B CSV/TSV export (a 'Step' column and one
+'<run> - <metric>' column, its __MIN/__MAX companions ignored).
+
+Landmark tables pair eval.py reports by step: held-out loss and each
+downstream task's primary metric, ours - reference, with the combined
+standard error sqrt(se_ours^2 + se_ref^2) of two independent estimates.
+"""
+
+import csv
+import glob
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
+
+
+def read_curve(path: str, metric: str = 'train/CE loss') -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) sorted by step, from JSONL, TensorBoard events, or a W&B CSV/TSV."""
+  if os.path.isdir(path) or os.path.basename(path).startswith('events.out.tfevents'):
+    steps, values = _read_tensorboard(path, metric)
+  elif path.endswith('.jsonl'):
+    steps, values = [], []
+    with open(path) as f:
+      for line in f:
+        record = json.loads(line) if line.strip() else {}
+        if metric in record and 'step' in record:
+          steps.append(record['step'])
+          values.append(record[metric])
+  elif path.endswith(('.csv', '.tsv')):
+    steps, values = _read_wandb(path, metric)
+  else:
+    raise ValueError(f'{path}: not a .jsonl, .csv, .tsv, TensorBoard event file or folder.')
+  if not steps:
+    raise ValueError(f'{path}: no values of {metric!r} found; check --metric.')
+  order = np.argsort(steps, kind='stable')
+  return np.asarray(steps, np.int64)[order], np.asarray(values, np.float64)[order]
+
+
+def _read_wandb(path: str, metric: str) -> tuple[list[int], list[float]]:
+  with open(path, newline='') as f:
+    rows = list(csv.DictReader(f, delimiter='\t' if path.endswith('.tsv') else ','))
+  if not rows:
+    raise ValueError(f'{path}: empty export.')
+  header = list(rows[0])
+  step_col = next((c for c in STEP_COLUMNS if c in header), None)
+  columns = [c for c in header if (c == metric or c.endswith(' - ' + metric))]
+  if step_col is None or len(columns) != 1:
+    raise ValueError(f'{path}: need one step column (one of {STEP_COLUMNS}) and exactly one '
+                     f'column named {metric!r} or "<run> - {metric}"; header: {header}.')
+  steps, values = [], []
+  for row in rows:
+    if row[columns[0]] not in ('', 'NaN', 'nan'):  # W&B leaves steps without the metric empty
+      steps.append(int(float(row[step_col])))
+      values.append(float(row[columns[0]]))
+  return steps, values
+
+
+def _read_tensorboard(path: str, metric: str) -> tuple[list[int], list[float]]:
+  """Scalars from TFRecord event files (length, crc, Event proto, crc); tensorboardX's protos."""
+  from tensorboardX.proto import event_pb2
+  files = (sorted(glob.glob(os.path.join(path, '**', 'events.out.tfevents*'), recursive=True))
+           if os.path.isdir(path) else [path])
+  if not files:
+    raise FileNotFoundError(f'{path}: no events.out.tfevents* files.')
+  tags = {metric, metric.replace(' ', '_')}  # tensorboardX writes spaces in tags as '_'
+  steps, values = [], []
+  for file in files:
+    with open(file, 'rb') as f:
+      while header := f.read(12):
+        (length,) = struct.unpack('<Q', header[:8])
+        event = event_pb2.Event.FromString(f.read(length))
+        f.read(4)
+        for v in event.summary.value:
+          if v.tag in tags:
+            steps.append(event.step)
+            values.append(v.simple_value if v.HasField('simple_value') else v.tensor.float_val[0])
+  return steps, values
+
+
+def bin_curve(steps: np.ndarray, values: np.ndarray, bin_size: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """(bin start steps, mean value per bin) over bins [k*bin, (k+1)*bin) that hold values."""
+  if bin_size < 1:
+    raise ValueError(f'bin size {bin_size} must be >= 1 step.')
+  keys = np.asarray(steps) // bin_size
+  starts, inverse = np.unique(keys, return_inverse=True)
+  means = np.bincount(inverse, weights=values) / np.bincount(inverse)
+  return starts * bin_size, means
+
+
+def plot_curves(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray], *,
+                bin_size: int, out: str, labels: Sequence[str] = ('ours', 'reference'),
+                metric: str = 'train/CE loss') -> dict:
+  """Two binned curves above, their difference on shared bins below; writes a PNG."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  a_steps, a = bin_curve(*ours, bin_size)
+  b_steps, b = bin_curve(*reference, bin_size)
+  shared, ia, ib = np.intersect1d(a_steps, b_steps, return_indices=True)
+  delta = a[ia] - b[ib]
+  fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6),
+                                    gridspec_kw={'height_ratios': [3, 1]})
+  centre = bin_size / 2
+  top.plot(a_steps + centre, a, label=labels[0])
+  top.plot(b_steps + centre, b, label=labels[1])
+  top.set_ylabel(metric)
+  top.set_title(f'{metric}, mean per {bin_size}-step bin')
+  top.legend()
+  bottom.axhline(0.0, color='grey', linewidth=0.8)
+  bottom.plot(shared + centre, delta, color='black')
+  bottom.set_ylabel(f'{labels[0]} - {labels[1]}')
+  bottom.set_xlabel('step')
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return {'bins': shared.tolist(), 'delta': delta.tolist(),
+          'mean_delta': float(delta.mean()) if delta.size else math.nan}
+
+
+def landmark_rows(ours: Sequence[dict], reference: Sequence[dict]) -> list[dict]:
+  """Per step in both lists of eval.py reports: (metric, ours, ref, delta, combined stderr)."""
+  by_step = {r['step']: r for r in reference}
+  rows = []
+  for report in sorted(ours, key=lambda r: r['step']):
+    ref = by_step.get(report['step'])
+    if ref is None:
+      continue
+    pairs = []
+    if 'heldout' in report and 'heldout' in ref:
+      if report['heldout']['fingerprint'] != ref['heldout']['fingerprint']:
+        raise ValueError(f"step {report['step']}: the two held-out losses were computed on "
+                         'different batches (fingerprints differ); rerun with the same files.')
+      pairs.append(('heldout loss', report['heldout']['loss'], report['heldout']['stderr'],
+                    ref['heldout']['loss'], ref['heldout']['stderr']))
+    tasks_a = report.get('downstream', {}).get('tasks', {})
+    tasks_b = ref.get('downstream', {}).get('tasks', {})
+    for task in [t for t in tasks_a if t in tasks_b]:
+      metric = tasks_a[task]['primary']
+      pairs.append((f'{task} {metric}', tasks_a[task][metric], tasks_a[task][metric + '_stderr'],
+                    tasks_b[task][metric], tasks_b[task][metric + '_stderr']))
+    if tasks_a and tasks_b and set(tasks_a) == set(tasks_b):
+      ma, mb = report['downstream']['macro'], ref['downstream']['macro']
+      pairs.append(('macro primary', ma['primary'], ma['primary_stderr'],
+                    mb['primary'], mb['primary_stderr']))
+    for name, va, sa, vb, sb in pairs:
+      rows.append({'step': report['step'], 'metric': name, 'ours': va, 'reference': vb,
+                   'delta': va - vb, 'stderr': math.sqrt(sa * sa + sb * sb)})
+  return rows
+
+
+def format_landmarks(rows: Sequence[dict]) -> str:
+  lines = [f"{'step':>8s}  {'metric':<26s} {'ours':>9s} {'reference':>9s} {'delta':>9s} "
+           f"{'± stderr':>9s}"]
+  for r in rows:
+    lines.append(f"{r['step']:>8d}  {r['metric']:<26s} {r['ours']:>9.4f} {r['reference']:>9.4f} "
+                 f"{r['delta']:>+9.4f} {r['stderr']:>9.4f}")
+  return '\n'.join(lines)
+
+
+def _reports(pattern: str) -> list[dict]:
+  files = sorted(glob.glob(pattern))
+  if not files:
+    raise FileNotFoundError(f'{pattern!r} matches no eval.py report files.')
+  reports = []
+  for file in files:
+    with open(file) as f:
+      reports.append(json.load(f))
+  return reports
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  if FLAGS.ours:
+    if not FLAGS.reference:
+      raise app.UsageError('--ours needs --reference (a W&B CSV/TSV export or another log).')
+    summary = plot_curves(read_curve(FLAGS.ours, FLAGS.metric),
+                          read_curve(FLAGS.reference, FLAGS.ref_metric or FLAGS.metric),
+                          bin_size=FLAGS.bin, out=FLAGS.out, labels=FLAGS.labels,
+                          metric=FLAGS.metric)
+    print(f"wrote {FLAGS.out}: {len(summary['bins'])} shared bins, mean delta "
+          f"{summary['mean_delta']:+.4f}")
+  if FLAGS.landmarks_ours:
+    rows = landmark_rows(_reports(FLAGS.landmarks_ours), _reports(FLAGS.landmarks_ref))
+    print(format_landmarks(rows))
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  flags.DEFINE_string('ours', None, 'metrics.jsonl or TensorBoard folder of our run.')
+  flags.DEFINE_string('reference', None, 'W&B CSV/TSV export (or JSONL/TensorBoard) of the '
+                      'reference run.')
+  flags.DEFINE_string('metric', 'train/CE loss', 'Metric name in our logs.')
+  flags.DEFINE_string('ref_metric', None, 'Metric name in the reference (default: --metric).')
+  flags.DEFINE_integer('bin', 2000, 'Steps per averaging bin (OLMO3.md §6: 2k).')
+  flags.DEFINE_list('labels', ['ours', 'reference'], 'Legend names.')
+  flags.DEFINE_string('out', 'loss_curves.png', 'PNG path.')
+  flags.DEFINE_string('landmarks_ours', None, 'Glob of our eval.py report JSONs.')
+  flags.DEFINE_string('landmarks_ref', None, 'Glob of the reference eval.py report JSONs.')
+  FLAGS = flags.FLAGS
+  app.run(main)
