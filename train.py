@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 
 def _simulate_devices_for_dry_run(argv: list[str]) -> None:
