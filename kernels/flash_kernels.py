@@ -61,6 +61,25 @@ def _visible(q_pos, k_pos, window: int | None):
   return vis
 
 
+def _mask(s_RC, row_start, col_start, window: int | None, segments=None,
+          keys_on_rows: bool = False):
+  """Logits of one block with invisible (query, key) entries set to _MASK_VALUE.
+
+  Rows are queries and columns keys, or the reverse with keys_on_rows (the
+  dk/dv kernel's transposed logits). `segments` is (row ids as a [R, LANES]
+  block, column ids as a [SUBLANES, C] block) or None.
+  """
+  shape = s_RC.shape
+  row_pos = row_start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  col_pos = col_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  q_pos, k_pos = (col_pos, row_pos) if keys_on_rows else (row_pos, col_pos)
+  vis = _visible(q_pos, k_pos, window)
+  if segments is not None:
+    rows_ref, cols_ref = segments
+    vis = jnp.logical_and(vis, _lanes(rows_ref[...], shape[1]) == cols_ref[:1, :])
+  return jnp.where(vis, s_RC, _MASK_VALUE)
+
+
 def _compiler_params(dims, vmem_limit_bytes):
   return pltpu.CompilerParams(dimension_semantics=dims,
                               vmem_limit_bytes=vmem_limit_bytes)
@@ -99,14 +118,8 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, *refs,
     s_QC = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      shape = (block_q, block_kv)
-      q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-      k_pos = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-      vis = _visible(q_pos, k_pos, window)
-      if has_segments:
-        vis = jnp.logical_and(
-            vis, _lanes(segq_ref[...], block_kv) == segk_ref[:1, :])
-      s_QC = jnp.where(vis, s_QC, _MASK_VALUE)
+      s_QC = _mask(s_QC, qi * block_q, kj * block_kv, window,
+                   (segq_ref, segk_ref) if has_segments else None)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, jnp.max(s_QC, axis=1, keepdims=True))
     p_QC = jnp.exp(s_QC - _lanes(m_next, block_kv))
@@ -213,14 +226,8 @@ def _dq_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
     s_QC = jax.lax.dot_general(q_ref[...], k, _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      shape = (block_q, block_kv)
-      q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-      k_pos = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-      vis = _visible(q_pos, k_pos, window)
-      if has_segments:
-        vis = jnp.logical_and(
-            vis, _lanes(segq_ref[...], block_kv) == segk_ref[:1, :])
-      s_QC = jnp.where(vis, s_QC, _MASK_VALUE)
+      s_QC = _mask(s_QC, qi * block_q, kj * block_kv, window,
+                   (segq_ref, segk_ref) if has_segments else None)
     p_QC = jnp.exp(s_QC - jnp.expand_dims(lse_ref[0], -1))
     dp_QC = jax.lax.dot_general(do_ref[...], v_ref[...], _NT,
                                 preferred_element_type=jnp.float32)
@@ -321,14 +328,8 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
     s_CQ = jax.lax.dot_general(k_ref[...], q, _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      shape = (block_kv, block_q)
-      k_pos = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-      q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-      vis = _visible(q_pos, k_pos, window)
-      if has_segments:
-        vis = jnp.logical_and(
-            vis, _lanes(segk_ref[...], block_q) == segq_ref[:1, :])
-      s_CQ = jnp.where(vis, s_CQ, _MASK_VALUE)
+      s_CQ = _mask(s_CQ, kj * block_kv, qi * block_q, window,
+                   (segk_ref, segq_ref) if has_segments else None, keys_on_rows=True)
     p_CQ = jnp.exp(s_CQ - lse_ref[:1, :])
     dv_scr[...] += jax.lax.dot_general(p_CQ.astype(do.dtype), do, _NN,
                                        preferred_element_type=jnp.float32)
