@@ -171,39 +171,94 @@ def apply_rope(x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax
 # --- Attention ---------------------------------------------------------------
 
 
-def attention_mask(t: int, s: int, window: int | None,
-                   segment_ids_BT: jax.Array | None) -> jax.Array:
-  """Boolean [B|1, T, S] mask: causal, banded by `window`, within documents."""
-  q_T1 = jnp.arange(t)[:, None] + (s - t)
-  k_1S = jnp.arange(s)[None, :]
+def attention_mask(t: int, s: int, window: int | None, segment_ids_BT: jax.Array | None,
+                   rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+                   ) -> jax.Array:
+  """Boolean [B|1, T, S] mask: causal, banded by `window`, within documents.
+
+  The T queries are the last T of the S keys' positions. `rows` and `cols`
+  ([start, stop) of queries and keys) cut out one block of the full mask.
+  """
+  rows, cols = rows or (0, t), cols or (0, s)
+  q_T1 = jnp.arange(*rows)[:, None] + (s - t)
+  k_1S = jnp.arange(*cols)[None, :]
   mask_TS = k_1S <= q_T1
   if window is not None:
     mask_TS &= k_1S > q_T1 - window
   mask_BTS = mask_TS[None]
   if segment_ids_BT is not None:
-    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    seg_q_BT, seg_k_BS = segment_ids_BT[:, slice(*rows)], segment_ids_BT[:, slice(*cols)]
+    mask_BTS = mask_BTS & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
   return mask_BTS
 
 
 def xla_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
-                  window: int | None, segment_ids_BT: jax.Array | None = None
-                  ) -> jax.Array:
-  """Reference attention: float32 softmax, probabilities cast to the input dtype (HF eager)."""
+                  window: int | None, segment_ids_BT: jax.Array | None = None,
+                  block_q: int | None = None) -> jax.Array:
+  """Reference attention: float32 softmax, probabilities cast to the input dtype (HF eager).
+
+  Runs `block_q` queries at a time, each block against only the keys its
+  causal window can reach, so masked-out blocks cost nothing (on the 3:1
+  pattern's sliding layers most of them). The backward is hand-written
+  (`_attend`): it keeps the float32 probabilities and no other [.., T, S]
+  array. Default block: 128 queries, or the window if smaller (at least 32).
+  """
   b, t, h, k = q_BTHK.shape
-  g = k_BSGK.shape[2]
-  # Head-major operands, so both products are plain batched matmuls over
-  # (b, g) and the [.., T, S] probabilities feed the second one in the layout
-  # the softmax wrote them (on CPU XLA otherwise copies them to transpose).
+  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  if block_q is None:
+    block_q = 128 if window is None else min(128, max(32, window))
+  # Head-major operands, so every product is a plain batched matmul over
+  # (b, g) and the [.., T, S] probabilities feed the next one in the layout
+  # they were written in (on CPU XLA otherwise copies them to transpose).
   q_BGRTK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)
   k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
   v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
-  logits_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', q_BGRTK, k_BGSK,
-                            preferred_element_type=jnp.float32) * k ** -0.5
-  mask_BTS = attention_mask(t, k_BSGK.shape[1], window, segment_ids_BT)
-  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, -jnp.inf)
-  probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(q_BTHK.dtype)
-  out_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', probs_BGRTS, v_BGSK)
+  outs = []
+  for q_lo in range(0, t, block_q):
+    q_hi = min(t, q_lo + block_q)
+    k_hi = q_hi + s - t  # causal: nothing after the block's last query
+    k_lo = 0 if window is None else max(0, q_lo + s - t - window + 1)
+    mask_BTS = attention_mask(t, s, window, segment_ids_BT, (q_lo, q_hi), (k_lo, k_hi))
+    outs.append(_attend(q_BGRTK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
+                        v_BGSK[:, :, k_lo:k_hi], mask_BTS))
+  out_BGRTK = jnp.concatenate(outs, axis=3)
   return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
+
+
+@jax.custom_vjp
+def _attend(q_BGRTK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array, mask_BTS: jax.Array
+            ) -> jax.Array:
+  """softmax(q k^T / sqrt(K), masked) v for one query block; every row sees >= 1 key."""
+  return _attend_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS)[0]
+
+
+def _attend_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS):
+  logits_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', q_BGRTK, k_BGSK,
+                            preferred_element_type=jnp.float32) * q_BGRTK.shape[-1] ** -0.5
+  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, -jnp.inf)
+  exp_BGRTS = jnp.exp(logits_BGRTS - jnp.max(logits_BGRTS, axis=-1, keepdims=True))
+  probs_BGRTS = exp_BGRTS / jnp.sum(exp_BGRTS, axis=-1, keepdims=True)
+  out_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', probs_BGRTS.astype(q_BGRTK.dtype), v_BGSK)
+  return out_BGRTK, (q_BGRTK, k_BGSK, v_BGSK, probs_BGRTS, out_BGRTK)
+
+
+def _attend_bwd(residuals, dout_BGRTK):
+  """The softmax backward as flash attention does it: rowsum(P * dP) = rowsum(dO * O)."""
+  q_BGRTK, k_BGSK, v_BGSK, probs_BGRTS, out_BGRTK = residuals
+  dtype = q_BGRTK.dtype
+  dv_BGSK = jnp.einsum('bgrts,bgrtk->bgsk', probs_BGRTS.astype(dtype), dout_BGRTK)
+  dprobs_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', dout_BGRTK, v_BGSK,
+                            preferred_element_type=jnp.float32)
+  delta_BGRT1 = jnp.sum(dout_BGRTK.astype(jnp.float32) * out_BGRTK.astype(jnp.float32),
+                        axis=-1, keepdims=True)
+  dlogits_BGRTS = (probs_BGRTS * (dprobs_BGRTS - delta_BGRT1)
+                   * q_BGRTK.shape[-1] ** -0.5).astype(dtype)
+  dq_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', dlogits_BGRTS, k_BGSK)
+  dk_BGSK = jnp.einsum('bgrts,bgrtk->bgsk', dlogits_BGRTS, q_BGRTK)
+  return dq_BGRTK, dk_BGSK, dv_BGSK, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,

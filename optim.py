@@ -334,10 +334,11 @@ def loss_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
 
   Valid: label != -100 and the instance not rejected. The head runs in the
   hidden's dtype and its logits are upcast to float32 (OLMo-core's LM head
-  under bf16 mixed precision, then `cross_entropy_loss`). Logits are built C
-  positions at a time inside a scan whose body is rematerialised, so neither
-  the forward nor the backward holds more than one chunk's [B, C, V] float32
-  logits (and their gradient) at a time.
+  under bf16 mixed precision, then `cross_entropy_loss`). With chunk >= T the
+  [B, T, V] float32 logits are kept for the backward (three head matmuls, the
+  fastest). Otherwise they are built C positions at a time inside a scan whose
+  body is rematerialised, so neither pass holds more than one chunk's [B, C, V]
+  logits (and their gradient) at a time, for one extra head matmul.
   """
   if hidden_BTD.ndim != 3 or labels_BT.shape != hidden_BTD.shape[:2]:
     raise ValueError(f'loss_sums: hidden {hidden_BTD.shape} must be [B, T, D] and labels '
@@ -350,40 +351,69 @@ def loss_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
                      f'{instance_mask_B.dtype} must be bool [B={b}].')
   if chunk < 1:
     raise ValueError(f'loss_sums: chunk={chunk} must be >= 1 (cfg.opt.loss_chunk).')
-  c = min(chunk, t)
-  pad = -t % c  # padded positions get label -100 and so count nowhere
-  if pad:
-    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-    labels_BT = jnp.pad(labels_BT, ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)
-  n = (t + pad) // c
   valid_BT = (labels_BT != IGNORE_INDEX) & instance_mask_B[:, None]
   targets_BT = jnp.where(valid_BT, labels_BT, 0)
   w_DV = w_head_DV.astype(hidden_BTD.dtype)
-  h_NBCD = hidden_BTD.reshape(b, n, c, d).swapaxes(0, 1)
-  y_NBC = targets_BT.reshape(b, n, c).swapaxes(0, 1)
-  m_NBC = valid_BT.reshape(b, n, c).swapaxes(0, 1)
+  if chunk >= t:
+    ce_sum, z_sq_sum = _chunk_sums(w_DV, hidden_BTD, targets_BT, valid_BT)
+    return ce_sum, z_loss * z_sq_sum
 
-  @functools.partial(jax.checkpoint, prevent_cse=False)  # scan already blocks CSE
-  def chunk_sums(w_DV, h_BCD, y_BC, m_BC):
-    logits_BCV = (h_BCD @ w_DV).astype(jnp.float32)
-    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    # The target logit as h . w[:, y] from the gathered head columns, rounded
-    # like the logits: gathering it from the logits instead costs a scatter
-    # into a [B, C, V] buffer of zeros in the backward (a pass over the
-    # largest array of the step; here the scatter is into [D, V]).
-    w_DBC = jnp.take(w_DV, y_BC, axis=1)
-    target_BC = jnp.einsum('bcd,dbc->bc', h_BCD, w_DBC, preferred_element_type=jnp.float32
-                           ).astype(h_BCD.dtype).astype(jnp.float32)
-    return (jnp.sum(jnp.where(m_BC, lse_BC - target_BC, 0.0)),
-            jnp.sum(jnp.where(m_BC, jnp.square(lse_BC), 0.0)))
+  pad = -t % chunk  # padded positions are invalid and so count nowhere
+  if pad:
+    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    valid_BT = jnp.pad(valid_BT, ((0, 0), (0, pad)))
+  n = (t + pad) // chunk
+  h_NBCD = hidden_BTD.reshape(b, n, chunk, d).swapaxes(0, 1)
+  y_NBC = targets_BT.reshape(b, n, chunk).swapaxes(0, 1)
+  m_NBC = valid_BT.reshape(b, n, chunk).swapaxes(0, 1)
+  rematted = jax.checkpoint(_chunk_sums, prevent_cse=False)  # scan already blocks CSE
 
   def body(carry, xs):
-    ce, zz = chunk_sums(w_DV, *xs)
+    ce, zz = rematted(w_DV, *xs)
     return (carry[0] + ce, carry[1] + zz), None
 
   zero = jnp.zeros([], jnp.float32)
   (ce_sum, z_sq_sum), _ = jax.lax.scan(body, (zero, zero), (h_NBCD, y_NBC, m_NBC))
   return ce_sum, z_loss * z_sq_sum
+
+
+@jax.custom_vjp
+def _chunk_sums(w_DV: jax.Array, h_BCD: jax.Array, y_BC: jax.Array, m_BC: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """(sum of lse - logit[y], sum of lse^2) over the positions where m is set."""
+  return _chunk_sums_fwd(w_DV, h_BCD, y_BC, m_BC)[0]
+
+
+def _chunk_sums_fwd(w_DV, h_BCD, y_BC, m_BC):
+  logits_BCV = (h_BCD @ w_DV).astype(jnp.float32)
+  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+  target_BC = jnp.take_along_axis(logits_BCV, y_BC[..., None], axis=-1)[..., 0]
+  sums = (jnp.sum(jnp.where(m_BC, lse_BC - target_BC, 0.0)),
+          jnp.sum(jnp.where(m_BC, jnp.square(lse_BC), 0.0)))
+  return sums, (w_DV, h_BCD, y_BC, m_BC, logits_BCV, lse_BC)
+
+
+def _chunk_sums_bwd(residuals, cotangents):
+  """d/dlogits = m * (softmax * (g_ce + 2 g_z lse) - g_ce * onehot(y)), built in one pass.
+
+  Hand-written because autodiff's version, on CPU, also writes a transposed
+  copy of the [B, C, V] gradient for the head's weight gradient (a second full
+  pass over the step's largest array); here both matmuls read the one copy.
+  """
+  w_DV, h_BCD, y_BC, m_BC, logits_BCV, lse_BC = residuals
+  g_ce, g_z = cotangents
+  scale_BC = jnp.where(m_BC, g_ce + 2 * g_z * lse_BC, 0.0)
+  target_BC = jnp.where(m_BC, g_ce, 0.0)
+  onehot_BCV = y_BC[..., None] == jnp.arange(logits_BCV.shape[-1], dtype=y_BC.dtype)[None, None]
+  dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) * scale_BC[..., None]
+                 - jnp.where(onehot_BCV, target_BC[..., None], 0.0)).astype(h_BCD.dtype)
+  dh_BCD = jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_DV)
+  dw_DV = jnp.einsum('bcd,bcv->dv', h_BCD, dlogits_BCV)
+  return dw_DV, dh_BCD, None, None
+
+
+_chunk_sums.defvjp(_chunk_sums_fwd, _chunk_sums_bwd)
 
 
 def loss_denominator(labels_BT: jax.Array, instance_mask_B: jax.Array | None = None

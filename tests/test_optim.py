@@ -446,14 +446,14 @@ class LossTest(parameterized.TestCase):
 
   # jit only: each un-jitted call re-traces the rematerialised scan (~2 s).
   @chex.variants(with_jit=True)
-  @parameterized.parameters(1, 2, 4)
-  def test_micro_batch_accumulation(self, micro_batches):
+  @parameterized.parameters((1, 4), (2, 4), (4, 4), (1, 64), (2, 64))  # 64 > T: no chunking
+  def test_micro_batch_accumulation(self, micro_batches, chunk):
     """Sum over micro-batches of grad((ce+z)/global denominator) = the float64 gradient."""
     h, w, labels, mask = _loss_batch()
     denom = optim.loss_denominator(labels)
 
     def mb_loss(h, w, labels, mask):
-      ce, zs = optim.loss_sums(h, w, labels, mask, z_loss=0.1, chunk=4)
+      ce, zs = optim.loss_sums(h, w, labels, mask, z_loss=0.1, chunk=chunk)
       return (ce + zs) / denom
     grad = self.variant(jax.grad(mb_loss, argnums=(0, 1)))
     dh, dw = [], 0.0
