@@ -291,6 +291,28 @@ def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
 # --- The block and the stack ------------------------------------------------
 
 
+@jax.custom_vjp
+def dense(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
+  """x @ w. Its backward forms the weight gradient as one contraction over
+  every leading axis straight into [I, O]. Autodiff's [O, I] product plus a
+  transpose made XLA:CPU write a transposed copy of each activation gradient
+  first, which cost about a third of the MLP's backward time."""
+  return x_BTI @ w_IO
+
+
+def _dense_fwd(x_BTI, w_IO):
+  return x_BTI @ w_IO, (x_BTI, w_IO)
+
+
+def _dense_bwd(residuals, dy_BTO):
+  x_BTI, w_IO = residuals
+  return (jnp.einsum('...o,io->...i', dy_BTO, w_IO),
+          jnp.einsum('...i,...o->io', x_BTI, dy_BTO))
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
 def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
            rope: tuple[jax.Array, jax.Array], segment_ids_BT: jax.Array | None,
            cfg: ml_collections.ConfigDict) -> jax.Array:
@@ -300,9 +322,9 @@ def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
   w = {name: value.astype(dtype) for name, value in p.items()}
 
   # QK-norm over the whole projection, before splitting into heads and RoPE.
-  q = rms_norm(x_BTD @ w['w_q'], p['q_norm'], cfg.norm_eps)
-  k = rms_norm(x_BTD @ w['w_k'], p['k_norm'], cfg.norm_eps)
-  v = x_BTD @ w['w_v']
+  q = rms_norm(dense(x_BTD, w['w_q']), p['q_norm'], cfg.norm_eps)
+  k = rms_norm(dense(x_BTD, w['w_k']), p['k_norm'], cfg.norm_eps)
+  v = dense(x_BTD, w['w_v'])
   q_BTHK = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), *rope)
   k_BTGK = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), *rope)
   v_BTGK = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -312,12 +334,12 @@ def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
   o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, window=window,
                      segment_ids_BT=segment_ids_BT, cfg=cfg)
   o_BTHK = checkpoint_name(o_BTHK, 'attention_out')
-  attn_BTD = o_BTHK.reshape(b, t, -1) @ w['w_o']
+  attn_BTD = dense(o_BTHK.reshape(b, t, -1), w['w_o'])
   h_BTD = x_BTD + rms_norm(attn_BTD, p['attention_norm'], cfg.norm_eps)
 
-  gate_BTF = checkpoint_name(h_BTD @ w['w_gate'], 'mlp_gate')
-  up_BTF = checkpoint_name(h_BTD @ w['w_up'], 'mlp_up')
-  mlp_BTD = (jax.nn.silu(gate_BTF) * up_BTF) @ w['w_down']
+  gate_BTF = checkpoint_name(dense(h_BTD, w['w_gate']), 'mlp_gate')
+  up_BTF = checkpoint_name(dense(h_BTD, w['w_up']), 'mlp_up')
+  mlp_BTD = dense(jax.nn.silu(gate_BTF) * up_BTF, w['w_down'])
   return h_BTD + rms_norm(mlp_BTD, p['mlp_norm'], cfg.norm_eps)
 
 

@@ -299,3 +299,17 @@ def test_xla_attention_blocks_match_float64(t, window, block_q, segmented):
   np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6)
   for got, want in zip(vjp(dout), want_grads):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_dense_gradients_match_float64():
+  """dense's hand-written backward: dx = dy w^T, dw = sum over batch and time of x^T dy."""
+  keys = jax.random.split(jax.random.key(8), 3)
+  x, w = jax.random.normal(keys[0], (3, 5, 7)), jax.random.normal(keys[1], (7, 4))
+  dy = jax.random.normal(keys[2], (3, 5, 4))
+  y, vjp = jax.vjp(model.dense, x, w)
+  dx, dw = vjp(dy)
+  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+  np.testing.assert_allclose(np.asarray(y), x64 @ w64, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx), dy64 @ w64.T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dw), np.einsum('bti,bto->io', x64, dy64),
+                             rtol=1e-5, atol=1e-5)
