@@ -153,19 +153,25 @@ def rope_frequencies(cfg: ml_collections.ConfigDict, full_layer: bool
 
 def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scale: float
                 ) -> tuple[jax.Array, jax.Array]:
-  """cos, sin tables [B, T, K] in float32 for the half-split layout."""
-  freqs_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
-  angles_BTK = jnp.concatenate([freqs_BTk, freqs_BTk], axis=-1)
-  return jnp.cos(angles_BTK) * scale, jnp.sin(angles_BTK) * scale
+  """cos, sin tables [B, T, K/2] in float32 (both halves of a head share them)."""
+  angles_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
+  return jnp.cos(angles_BTk) * scale, jnp.sin(angles_BTk) * scale
 
 
-def apply_rope(x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
-  """Half-split ("rotate_half") RoPE computed in float32, cast back."""
-  x = x_BTHK.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos, sin = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
-  return (x * cos + rotated * sin).astype(x_BTHK.dtype)
+def apply_rope(x_BTHK: jax.Array, cos_BTk: jax.Array, sin_BTk: jax.Array) -> jax.Array:
+  """Half-split ("rotate_half") RoPE computed in float32, cast back.
+
+  HF's x * cos + rotate_half(x) * sin with rotate_half as a flip of the two
+  halves times (-1, +1): the same float32 results, and forward and backward
+  are each one elementwise pass (slicing the halves costs padded copies in
+  the backward).
+  """
+  b, t, h, k = x_BTHK.shape
+  x_BTH2k = x_BTHK.astype(jnp.float32).reshape(b, t, h, 2, k // 2)
+  sign_11121 = jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
+  rotated_BTH2k = jnp.flip(x_BTH2k, axis=3) * sign_11121
+  cos, sin = cos_BTk[:, :, None, None, :], sin_BTk[:, :, None, None, :]
+  return (x_BTH2k * cos + rotated_BTH2k * sin).reshape(b, t, h, k).astype(x_BTHK.dtype)
 
 
 # --- Attention ---------------------------------------------------------------

@@ -205,20 +205,23 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
       ce, z = sums(params, mb)
       return (ce + z) / denominator, (ce, z)
     grad_fn = jax.grad(loss, has_aux=True)
-    # [B, ...] -> [A, B/A, ...] keeping each device's rows on that device: micro
-    # batch a takes rows a, a+A, ... of every device's contiguous block.
-    micro = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1),
-            NamedSharding(mesh, P(None, BATCH_AXES, *([None] * (x.ndim - 1))))), batch)
+    if accum == 1:  # no accumulator to zero and add into
+      grads, (ce_sum, z_sum) = grad_fn(state.params, batch)
+    else:
+      # [B, ...] -> [A, B/A, ...] keeping each device's rows on that device:
+      # micro batch a takes rows a, a+A, ... of every device's contiguous block.
+      micro = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1),
+              NamedSharding(mesh, P(None, BATCH_AXES, *([None] * (x.ndim - 1))))), batch)
 
-    def body(carry, mb):
-      grads, ce, z = carry
-      g, (c, zz) = grad_fn(state.params, mb)
-      return (jax.tree.map(jnp.add, grads, g), ce + c, z + zz), None
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    zero = jnp.zeros([], jnp.float32)
-    (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, zero, zero), micro)
+      def body(carry, mb):
+        grads, ce, z = carry
+        g, (c, zz) = grad_fn(state.params, mb)
+        return (jax.tree.map(jnp.add, grads, g), ce + c, z + zz), None
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      zero = jnp.zeros([], jnp.float32)
+      (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, zero, zero), micro)
 
     ce_loss = ce_sum / denominator
     updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=ce_loss)
