@@ -299,10 +299,12 @@ def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
 
 @jax.custom_vjp
 def dense(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
-  """x @ w. Its backward forms the weight gradient as one contraction over
-  every leading axis straight into [I, O]. Autodiff's [O, I] product plus a
-  transpose made XLA:CPU write a transposed copy of each activation gradient
-  first, which cost about a third of the MLP's backward time."""
+  """x @ w, with a backward that forms the weight gradient straight into [I, O].
+
+  One contraction over every leading axis. Autodiff's [O, I] product plus a
+  transpose made XLA:CPU first write a transposed (and recomputed) copy of
+  each activation gradient, about a third of an MLP's backward time.
+  """
   return x_BTI @ w_IO
 
 

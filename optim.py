@@ -11,7 +11,6 @@ Shapes: B batch, T time, D d_model, V vocab, C positions per logits chunk,
 N chunks per sequence, W skip-step history window.
 """
 
-import functools
 import re
 from typing import Any, Callable, NamedTuple
 
