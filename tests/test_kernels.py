@@ -1,7 +1,7 @@
 """Tests for kernels/: Pallas flash attention in TPU interpret mode on CPU.
 
-Oracle: a float64 numpy attention written out below (forward and the textbook
-softmax backward), independent of the kernels and of reference_attention.
+Oracle: tests/attention_oracle.py, a float64 numpy attention (forward and the
+textbook softmax backward), independent of the kernels and of reference_attention.
 
 Shape glossary: B batch, T time, H query heads, G kv heads, K head_dim.
 """
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_oracle import attention_np, mask_np
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
@@ -29,40 +30,6 @@ fa = importlib.import_module('kernels.flash_attention')  # the module, not the f
 #   1e-2 is about two bf16 steps; observed <= 4.2e-3 (the f32 XLA reference
 #   on the same inputs: <= 3.5e-3).
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def _mask_np(t, window, segment_ids):
-  """[B, T, T] bool: query i sees key j."""
-  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-  m = j <= i
-  if window is not None:
-    m &= i - j < window
-  m = np.broadcast_to(m, (segment_ids.shape[0] if segment_ids is not None else 1, t, t))
-  if segment_ids is not None:
-    m = m & (segment_ids[:, :, None] == segment_ids[:, None, :])
-  return m
-
-
-def attention_np(q, k, v, do, window, segment_ids):
-  """float64 outputs and (dq, dk, dv) for a given output cotangent do."""
-  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-  b, t, h, d = q.shape
-  r = h // k.shape[2]
-  k_h, v_h = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)  # head h -> h // r
-  scale = d**-0.5
-  s = np.einsum('bihd,bjhd->bhij', q, k_h) * scale
-  mask = _mask_np(t, window, None if segment_ids is None else np.asarray(segment_ids))
-  s = np.where(mask[:, None], s, -np.inf)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  o = np.einsum('bhij,bjhd->bihd', p, v_h)
-  dp = np.einsum('bihd,bjhd->bhij', do, v_h)
-  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-  dq = np.einsum('bhij,bjhd->bihd', ds, k_h) * scale
-  dk_h = np.einsum('bhij,bihd->bjhd', ds, q) * scale
-  dv_h = np.einsum('bhij,bihd->bjhd', p, do)
-  group = lambda x: x.reshape(b, t, -1, r, d).sum(3)  # sum the R heads per kv head
-  return o, (dq, group(dk_h), group(dv_h))
 
 
 def _inputs(seed, b, t, h, g, d, dtype, with_segments):
@@ -177,7 +144,7 @@ def test_remat_scan_gradients_match_reference():
     (1024, 128, 256, 129), (1024, 256, 512, 300), (1024, 512, 256, 2000),
 ])
 def test_schedule_visits_exactly_the_blocks_with_visible_entries(t, bq, bk, window):
-  mask = _mask_np(t, window, None)[0]
+  mask = mask_np(t, window, None)[0]
   blocks = mask.reshape(t // bq, bq, t // bk, bk)
   any_QC, all_QC = blocks.any((1, 3)), blocks.all((1, 3))
   for kv_major in (False, True):

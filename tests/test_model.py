@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from attention_oracle import attention_np
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import convert
@@ -253,30 +254,6 @@ def test_cudnn_path_window_mapping(window):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
-def _np_attention_and_grads(q, k, v, dout, window, segments):
-  """float64 attention and its gradients from the textbook formulas (GQA by repeating kv)."""
-  q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-  b, t, h, d = q.shape
-  s, g = k.shape[1], k.shape[2]
-  k_r, v_r = np.repeat(k, h // g, axis=2), np.repeat(v, h // g, axis=2)
-  qpos, kpos = np.arange(t)[:, None] + s - t, np.arange(s)[None]
-  mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
-  mask = np.broadcast_to(mask, (b, t, s))
-  if segments is not None:
-    mask = mask & (segments[:, :, None] == segments[:, None, :])
-  logits = np.einsum('bthd,bshd->bhts', q, k_r) / np.sqrt(d)
-  logits = np.where(mask[:, None], logits, -np.inf)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  out = np.einsum('bhts,bshd->bthd', p, v_r)
-  dp = np.einsum('bthd,bshd->bhts', dout, v_r)
-  dlogits = p * (dp - (p * dp).sum(-1, keepdims=True)) / np.sqrt(d)
-  dq = np.einsum('bhts,bshd->bthd', dlogits, k_r)
-  dk = np.einsum('bhts,bthd->bshd', dlogits, q).reshape(b, s, g, h // g, d).sum(3)
-  dv = np.einsum('bhts,bthd->bshd', p, dout).reshape(b, s, g, h // g, d).sum(3)
-  return out, (dq, dk, dv)
-
-
 @pytest.mark.parametrize('t,window,block_q,segmented', [
     (20, None, 8, False),  # uneven last block
     (20, 5, 8, True),  # window inside a block, documents
@@ -294,8 +271,7 @@ def test_xla_attention_blocks_match_float64(t, window, block_q, segmented):
   attend = lambda q, k, v: model.xla_attention(q, k, v, window=window, segment_ids_BT=segments,
                                                block_q=block_q)
   out, vjp = jax.vjp(attend, q, k, v)
-  want_out, want_grads = _np_attention_and_grads(q, k, v, dout, window,
-                                                 None if segments is None else np.asarray(segments))
+  want_out, want_grads = attention_np(q, k, v, dout, window, segments)
   np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6)
   for got, want in zip(vjp(dout), want_grads):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
