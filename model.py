@@ -178,14 +178,12 @@ def apply_rope(x_BTHK: jax.Array, cos_BTk: jax.Array, sin_BTk: jax.Array) -> jax
 
 
 def attention_mask(t: int, s: int, window: int | None, segment_ids_BT: jax.Array | None,
-                   rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
-                   ) -> jax.Array:
-  """Boolean [B|1, T, S] mask: causal, banded by `window`, within documents.
+                   rows: tuple[int, int], cols: tuple[int, int]) -> jax.Array:
+  """Boolean [B|1, rows, cols] block of the mask: causal, banded by `window`, within documents.
 
-  The T queries are the last T of the S keys' positions. `rows` and `cols`
-  ([start, stop) of queries and keys) cut out one block of the full mask.
+  The T queries are the last T of the S keys' positions; `rows` and `cols`
+  are the [start, stop) of the block's queries and keys.
   """
-  rows, cols = rows or (0, t), cols or (0, s)
   q_T1 = jnp.arange(*rows)[:, None] + (s - t)
   k_1S = jnp.arange(*cols)[None, :]
   mask_TS = k_1S <= q_T1
