@@ -40,6 +40,7 @@ from typing import Any
 
 from absl import logging
 import jax
+from jax._src import distributed as jax_distributed
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
@@ -230,8 +231,8 @@ class _Sync:
     self.count = jax.process_count()
     self.client = None
     if self.count > 1:
-      from jax._src import distributed  # pylint: disable=g-import-not-at-top
-      self.client = distributed.global_state.client
+      # No public API exposes the coordination client (orbax reads it here too).
+      self.client = jax_distributed.global_state.client
       if self.client is None:
         raise RuntimeError('Multi-process checkpointing needs '
                            'jax.distributed.initialize() to have been called.')

@@ -7,7 +7,7 @@ Tensors are streamed one at a time from memory-mapped safetensors into the
 stacked [L, ...] arrays of model.py (and back, one output shard at a time), so
 converting a 7B model needs about one copy of the weights in host memory.
 
-HF config dialects read (../shared/reference/OLMO3.md §8):
+HF config dialects read (docs/architecture.md):
   hub:    top-level `rope_theta`, `rope_scaling`, `layer_types`, `sliding_window`
   nested: `rope_parameters` = {'full_attention': {...}, 'sliding_attention': {...}}
           (what transformers >= 5.13 `save_pretrained` writes)
@@ -22,12 +22,17 @@ import math
 import os
 from collections.abc import Iterator
 
+from absl import app, flags
+import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import checkpoint
 from configs import olmo3_7b
+import model
 
 # HF tensor name for layer i -> (our module, our name); HF Linear weights are
 # [out, in] and ours [in, out]; the embedding is [V, D] on both sides.
@@ -286,7 +291,6 @@ def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
   vocab_size: HF rows to keep (e.g. 100278 for the dolma2 tokenizer); None
   keeps all rows, which makes params -> HF -> params exact.
   """
-  import ml_dtypes  # Comes with jax; numpy has no bfloat16 of its own.
   np_dtype = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}[dtype]
   vocab_size = vocab_size or cfg.vocab_size
   if vocab_size > cfg.vocab_size:
@@ -336,9 +340,6 @@ def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
 
 def params_target(cfg: ml_collections.ConfigDict) -> dict:
   """Host zero arrays shaped like model.init_params (a restore target; no memory touched)."""
-  import jax
-
-  import model
   shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
@@ -346,7 +347,6 @@ def params_target(cfg: ml_collections.ConfigDict) -> dict:
 def load_checkpoint_params(directory: str, step: int | None = None
                            ) -> tuple[dict, ml_collections.ConfigDict]:
   """(params as numpy, full config) of a committed checkpoint; reads only the params."""
-  import checkpoint
   meta = checkpoint.read_metadata(directory, step)
   if 'config' not in meta:
     raise ConversionError(f'{directory}: checkpoint metadata has no "config"; '
@@ -358,7 +358,6 @@ def load_checkpoint_params(directory: str, step: int | None = None
 
 def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directory: str) -> None:
   """Writes params as step_0 of a checkpoint directory (usable as train.init_from)."""
-  import checkpoint
   with checkpoint.Checkpointer(directory) as ckpt:
     ckpt.save(0, {'params': params}, {'config': {'model': cfg.to_dict()}})
 
@@ -381,7 +380,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app, flags
   flags.DEFINE_string('from_hf', None, 'HF Olmo 3 directory to read')
   flags.DEFINE_string('to', None, 'checkpoint directory to write (step_0, params only)')
   flags.DEFINE_string('from_ckpt', None, 'our checkpoint directory to read')

@@ -2,7 +2,7 @@
 
 Given the same token files, mix and seed, the batch for step k is the one
 OLMo-core's `NumpyFSLDataset` + `NumpyFSLDataLoader` produced at that step,
-instance for instance (../shared/reference/OLMO3.md §3):
+instance for instance (docs/data.md):
 
   files   raw little-endian uint32 tokens, read by memory map; file f gives
           n_f = tokens_f // T instances (remainder dropped) and owns the global
@@ -197,6 +197,12 @@ class Dataset:
                                       tokenizer_id=cfg_data.tokenizer_id, path_remap=remap)
       source = f'mix file {cfg_data.mix_file}'
     else:
+      if paths is None and not cfg_data.paths:
+        raise ValueError('No training data configured: cfg.data.mix_file and cfg.data.paths are '
+                         'both empty. Set --config.data.mix_file=MIX_FILE (label,path lines; '
+                         'relative paths resolve against --config.data.base_dir=ROOT) or '
+                         '--config.data.paths=FILE[,FILE...] (uint32 token files); see '
+                         'docs/data.md.')
       source = 'paths' if paths is not None else 'cfg.data.paths'
       paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
                           else os.path.join(base_dir, p), remap)
@@ -481,7 +487,7 @@ def segment_ids(tokens_BT: np.ndarray, eos_token_id: int) -> np.ndarray:
 def make_batch(tokens_BT: np.ndarray, *, eos_token_id: int,
                repetition_filter: RepetitionFilter | None = None,
                document_masking: bool = False) -> dict[str, np.ndarray]:
-  """The batch dict (COMMON.md): tokens, labels, instance_mask[, segment_ids].
+  """The batch dict (docs/data.md): tokens, labels, instance_mask[, segment_ids].
 
   Labels are the inputs shifted left with the last position ignored (OLMo-core
   get_labels). A rejected instance keeps its labels; `instance_mask` tells the

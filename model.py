@@ -1,8 +1,10 @@
 """The Olmo 3 transformer as one pure Haiku function.
 
-Architecture facts: ../shared/reference/OLMO3.md §1 (HF `modeling_olmo3.py`,
-OLMo-core `ReorderedNormTransformerBlock`). Reading order: norms, RoPE,
-attention, one block, the scanned stack, then parameter and FLOP counts.
+Architecture facts: docs/architecture.md (HF `modeling_olmo3.py`, OLMo-core
+`ReorderedNormTransformerBlock`). Reading order: norms, RoPE, one block, the
+scanned stack, then parameter and FLOP counts. The block's matmuls and its one
+attention call run on the implementation `cfg.attention_impl` selects
+(kernels/__init__.py: Pallas on TPU, cuDNN on GPU, CPU-tuned XLA on CPU).
 
 Shapes: B batch, T time (queries), S time (keys), D d_model, H query heads,
 G kv heads, R = H // G queries per kv head, K head_dim, F mlp hidden, V vocab,
@@ -32,6 +34,8 @@ import ml_collections
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
+
+import kernels
 
 Params = dict[str, dict[str, jax.Array]]
 BATCH_AXES = ('data', 'fsdp')  # mesh axes the batch is split over (train.make_mesh)
@@ -70,9 +74,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     problems.append(f'sliding_window={cfg.sliding_window} must be >= 1')
   if cfg.remat not in REMAT_POLICIES:
     problems.append(f'remat={cfg.remat!r} is not one of {sorted(REMAT_POLICIES)}')
-  if cfg.attention_impl not in ('xla', 'pallas', 'cudnn'):
-    problems.append(f"attention_impl={cfg.attention_impl!r} is not one of "
-                    "'xla', 'pallas', 'cudnn'")
+  if cfg.attention_impl not in kernels.IMPLS:
+    problems.append(f'attention_impl={cfg.attention_impl!r} is not one of {kernels.IMPLS}')
   for field in ('vocab_size', 'num_layers', 'd_model', 'num_heads',
                 'num_kv_heads', 'head_dim', 'mlp_hidden'):
     if cfg[field] < 1:
@@ -174,178 +177,39 @@ def apply_rope(x_BTHK: jax.Array, cos_BTk: jax.Array, sin_BTk: jax.Array) -> jax
   return (x_BTH2k * cos + rotated_BTH2k * sin).reshape(b, t, h, k).astype(x_BTHK.dtype)
 
 
-# --- Attention ---------------------------------------------------------------
-
-
-def attention_mask(t: int, s: int, window: int | None, segment_ids_BT: jax.Array | None,
-                   rows: tuple[int, int], cols: tuple[int, int]) -> jax.Array:
-  """Boolean [B|1, rows, cols] block of the mask: causal, banded by `window`, within documents.
-
-  The T queries are the last T of the S keys' positions; `rows` and `cols`
-  are the [start, stop) of the block's queries and keys.
-  """
-  q_T1 = jnp.arange(*rows)[:, None] + (s - t)
-  k_1S = jnp.arange(*cols)[None, :]
-  mask_TS = k_1S <= q_T1
-  if window is not None:
-    mask_TS &= k_1S > q_T1 - window
-  mask_BTS = mask_TS[None]
-  if segment_ids_BT is not None:
-    seg_q_BT, seg_k_BS = segment_ids_BT[:, slice(*rows)], segment_ids_BT[:, slice(*cols)]
-    mask_BTS = mask_BTS & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
-  return mask_BTS
-
-
-def xla_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
-                  window: int | None, segment_ids_BT: jax.Array | None = None,
-                  block_q: int | None = None) -> jax.Array:
-  """Reference attention: float32 softmax, probabilities cast to the input dtype (HF eager).
-
-  Runs `block_q` queries at a time, each block against only the keys its
-  causal window can reach, so masked-out blocks cost nothing (on the 3:1
-  pattern's sliding layers most of them). The backward is hand-written
-  (`_attend`): it keeps the float32 probabilities and no other [.., T, S]
-  array. Default block: 128 queries, or the window if smaller (at least 32).
-  """
-  b, t, h, k = q_BTHK.shape
-  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
-  if block_q is None:
-    block_q = 128 if window is None else min(128, max(32, window))
-  # Head-major operands, so every product is a plain batched matmul over
-  # (b, g) and the [.., T, S] probabilities feed the next one in the layout
-  # they were written in (on CPU XLA otherwise copies them to transpose).
-  q_BGRTK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 3, 1, 4)
-  k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
-  v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
-  outs = []
-  for q_lo in range(0, t, block_q):
-    q_hi = min(t, q_lo + block_q)
-    k_hi = q_hi + s - t  # causal: nothing after the block's last query
-    k_lo = 0 if window is None else max(0, q_lo + s - t - window + 1)
-    mask_BTS = attention_mask(t, s, window, segment_ids_BT, (q_lo, q_hi), (k_lo, k_hi))
-    outs.append(_attend(q_BGRTK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
-                        v_BGSK[:, :, k_lo:k_hi], mask_BTS))
-  out_BGRTK = jnp.concatenate(outs, axis=3)
-  return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
-
-
-@jax.custom_vjp
-def _attend(q_BGRTK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array, mask_BTS: jax.Array
-            ) -> jax.Array:
-  """softmax(q k^T / sqrt(K), masked) v for one query block; every row sees >= 1 key."""
-  return _attend_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS)[0]
-
-
-def _attend_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS):
-  logits_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', q_BGRTK, k_BGSK,
-                            preferred_element_type=jnp.float32) * q_BGRTK.shape[-1] ** -0.5
-  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, -jnp.inf)
-  exp_BGRTS = jnp.exp(logits_BGRTS - jnp.max(logits_BGRTS, axis=-1, keepdims=True))
-  probs_BGRTS = exp_BGRTS / jnp.sum(exp_BGRTS, axis=-1, keepdims=True)
-  out_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', probs_BGRTS.astype(q_BGRTK.dtype), v_BGSK)
-  return out_BGRTK, (q_BGRTK, k_BGSK, v_BGSK, probs_BGRTS, out_BGRTK)
-
-
-def _attend_bwd(residuals, dout_BGRTK):
-  """The softmax backward as flash attention does it: rowsum(P * dP) = rowsum(dO * O)."""
-  q_BGRTK, k_BGSK, v_BGSK, probs_BGRTS, out_BGRTK = residuals
-  dtype = q_BGRTK.dtype
-  dv_BGSK = jnp.einsum('bgrts,bgrtk->bgsk', probs_BGRTS.astype(dtype), dout_BGRTK)
-  dprobs_BGRTS = jnp.einsum('bgrtk,bgsk->bgrts', dout_BGRTK, v_BGSK,
-                            preferred_element_type=jnp.float32)
-  delta_BGRT1 = jnp.sum(dout_BGRTK.astype(jnp.float32) * out_BGRTK.astype(jnp.float32),
-                        axis=-1, keepdims=True)
-  dlogits_BGRTS = (probs_BGRTS * (dprobs_BGRTS - delta_BGRT1)
-                   * q_BGRTK.shape[-1] ** -0.5).astype(dtype)
-  dq_BGRTK = jnp.einsum('bgrts,bgsk->bgrtk', dlogits_BGRTS, k_BGSK)
-  dk_BGSK = jnp.einsum('bgrts,bgrtk->bgsk', dlogits_BGRTS, q_BGRTK)
-  return dq_BGRTK, dk_BGSK, dv_BGSK, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
-              window: int | None, segment_ids_BT: jax.Array | None,
-              cfg: ml_collections.ConfigDict) -> jax.Array:
-  """The one attention entry point; `cfg.attention_impl` picks the implementation."""
-  if cfg.attention_impl == 'xla':
-    return xla_attention(q_BTHK, k_BSGK, v_BSGK, window=window,
-                         segment_ids_BT=segment_ids_BT)
-  if cfg.attention_impl == 'pallas':
-    from kernels import flash_attention  # Only TPU runs (and kernel tests) need Pallas.
-    # The TPU kernel runs on CPU only through its interpreter (tests).
-    return flash_attention(
-        q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT,
-        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
-        interpret=jax.default_backend() == 'cpu')
-  if cfg.attention_impl == 'cudnn':
-    if segment_ids_BT is not None:
-      raise NotImplementedError(
-          "attention_impl='cudnn' does not take segment ids here; use 'xla' or "
-          "'pallas' with data.document_masking")
-    # local_window_size=(left, right) keys; ours is W keys including the query.
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(
-        q_BTHK, k_BSGK, v_BSGK, is_causal=True, local_window_size=local,
-        implementation='cudnn')
-  raise ValueError(f'Unknown attention_impl {cfg.attention_impl!r}')
-
-
 # --- The block and the stack ------------------------------------------------
-
-
-@jax.custom_vjp
-def dense(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
-  """x @ w, with a backward that forms the weight gradient straight into [I, O].
-
-  One contraction over every leading axis. Autodiff's [O, I] product plus a
-  transpose made XLA:CPU first write a transposed (and recomputed) copy of
-  each activation gradient, about a third of an MLP's backward time.
-  """
-  return x_BTI @ w_IO
-
-
-def _dense_fwd(x_BTI, w_IO):
-  return x_BTI @ w_IO, (x_BTI, w_IO)
-
-
-def _dense_bwd(residuals, dy_BTO):
-  x_BTI, w_IO = residuals
-  return (jnp.einsum('...o,io->...i', dy_BTO, w_IO),
-          jnp.einsum('...i,...o->io', x_BTI, dy_BTO))
-
-
-dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
            rope: tuple[jax.Array, jax.Array], segment_ids_BT: jax.Array | None,
-           cfg: ml_collections.ConfigDict) -> jax.Array:
-  """One reordered-norm block: h = x + norm(attn(x)); y = h + norm(mlp(h))."""
-  dtype = x_BTD.dtype
+           cfg: ml_collections.ConfigDict, ops: kernels.Ops) -> jax.Array:
+  """One reordered-norm block: h = x + norm(attn(x)); y = h + norm(mlp(h)).
+
+  `mm` is x @ w (ops.matmul: the same product, with a backward tuned per platform).
+  """
+  dtype, mm = x_BTD.dtype, ops.matmul
   b, t, _ = x_BTD.shape
   w = {name: value.astype(dtype) for name, value in p.items()}
 
   # QK-norm over the whole projection, before splitting into heads and RoPE.
-  q = rms_norm(dense(x_BTD, w['w_q']), p['q_norm'], cfg.norm_eps)
-  k = rms_norm(dense(x_BTD, w['w_k']), p['k_norm'], cfg.norm_eps)
-  v = dense(x_BTD, w['w_v'])
+  q = rms_norm(mm(x_BTD, w['w_q']), p['q_norm'], cfg.norm_eps)
+  k = rms_norm(mm(x_BTD, w['w_k']), p['k_norm'], cfg.norm_eps)
+  v = mm(x_BTD, w['w_v'])
   q_BTHK = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), *rope)
   k_BTGK = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), *rope)
   v_BTGK = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   q_BTHK = checkpoint_name(q_BTHK, 'query')
   k_BTGK = checkpoint_name(k_BTGK, 'key')
   v_BTGK = checkpoint_name(v_BTGK, 'value')
-  o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, window=window,
-                     segment_ids_BT=segment_ids_BT, cfg=cfg)
+  # softmax(q k^T / sqrt(K) + causal/window/document mask) v, per kv-head group.
+  o_BTHK = ops.attention(q_BTHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=segment_ids_BT)
   o_BTHK = checkpoint_name(o_BTHK, 'attention_out')
-  attn_BTD = dense(o_BTHK.reshape(b, t, -1), w['w_o'])
+  attn_BTD = mm(o_BTHK.reshape(b, t, -1), w['w_o'])
   h_BTD = x_BTD + rms_norm(attn_BTD, p['attention_norm'], cfg.norm_eps)
 
-  gate_BTF = checkpoint_name(dense(h_BTD, w['w_gate']), 'mlp_gate')
-  up_BTF = checkpoint_name(dense(h_BTD, w['w_up']), 'mlp_up')
-  mlp_BTD = dense(jax.nn.silu(gate_BTF) * up_BTF, w['w_down'])
+  gate_BTF = checkpoint_name(mm(h_BTD, w['w_gate']), 'mlp_gate')
+  up_BTF = checkpoint_name(mm(h_BTD, w['w_up']), 'mlp_up')
+  mlp_BTD = mm(jax.nn.silu(gate_BTF) * up_BTF, w['w_down'])
   return h_BTD + rms_norm(mlp_BTD, p['mlp_norm'], cfg.norm_eps)
 
 
@@ -399,13 +263,14 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
   period = len(cfg.layer_pattern)
   ropes = {kind: rope_tables(positions_BT, *rope_frequencies(cfg, kind == 'F'))
            for kind in set(cfg.layer_pattern)}
+  ops = kernels.select(cfg, segments=segment_ids_BT is not None)
 
   def group(x_BTD, group_params):
     """One period of the layer pattern (e.g. 3 sliding + 1 full)."""
     for j, kind in enumerate(cfg.layer_pattern):
       p = {name: value[j] for name, value in group_params.items()}
       x_BTD = _block(x_BTD, p, window=layer_window(cfg, j), rope=ropes[kind],
-                     segment_ids_BT=segment_ids_BT, cfg=cfg)
+                     segment_ids_BT=segment_ids_BT, cfg=cfg, ops=ops)
     return constrain_batch(x_BTD), None
 
   if cfg.remat != 'none':

@@ -1,7 +1,7 @@
 """AdamW with OLMo-core's skip-step rule, the LR schedules and the chunked loss.
 
-Reference facts: ../shared/reference/OLMO3.md §2 (AdamW, clipping, schedules),
-§4 (skip step), §5 (loss). tests/test_optim.py checks every number here against
+Reference facts: docs/optimizer.md (AdamW, clipping, skip step, the loss) and
+docs/recipe.md (schedules). tests/test_optim.py checks every number here against
 OLMo-core itself (`SkipStepAdamW`, its schedulers, its train module's clipping)
 or a float64 numpy formula.
 

@@ -1,45 +1,52 @@
 """Ahead-of-time planning: will this config's train step fit, and how much work is it?
 
-`python train.py --config=configs/olmo3_7b.py --dry_run --dry_run_devices=8`
-compiles the real train step (train.make_train_step, train.state_shardings)
-for simulated CPU devices without allocating a single weight: the state is
-`jax.eval_shape`d, the batch is abstract, and XLA's `memory_analysis()` of the
-compiled step gives the per-device argument, output and temporary bytes. The
-report prints parameter count, FLOPs per token and per step, parameter /
+    python plan.py --config=configs/olmo3_7b.py --devices=8 [--target_devices=512]
+        [--platform=tpu|gpu|cpu] [--chip=v5p]
+
+compiles the real train step (train.make_train_step on train's shardings) for
+--devices simulated CPU devices without allocating a single weight: the state
+is `jax.eval_shape`d, the batch is abstract, and XLA's `memory_analysis()` of
+the compiled step gives the per-device argument, output and temporary bytes.
+The report prints parameter count, FLOPs per token and per step, parameter /
 optimizer-state / temporary memory per device, and whether the step fits the
 per-device memory of the accelerators in `BUDGETS_GB`.
 
+It plans what the target platform runs: `attention_impl='auto'` is resolved
+for --platform (kernels.resolve). A TPU or GPU flash kernel does not compile
+for CPU, so the CPU compile swaps it, through the config, for
+attention_impl='flash_stand_in': a function with the kernel's shapes and O(T)
+memory (no [T, S] scores), so the temporaries are a flash kernel's; FLOPs come
+from model.flops_per_token, not from the compile. For a TPU target the whole
+train step is also lowered for --chip with the real Pallas kernel, and the
+report names the kernels found in it.
+
 Target meshes bigger than the CPU can compile quickly (the 7B on 512 chips)
-are reached by extrapolation (`--dry_run_target=512`): parameter and optimizer
+are reached by extrapolation (--target_devices): parameter and optimizer
 bytes per device are exact for any mesh (shard shapes on an AbstractMesh); the
 temporaries are measured on two compiled meshes whose FSDP axis differs by 2x
 and fitted as a + b / fsdp (a: activations and one gathered layer group, fixed
 per micro-batch; b: gradient accumulators and optimizer temporaries, sharded
 like the state), then evaluated at the target's FSDP size.
 
-Attention: with cfg.model.attention_impl 'pallas' or 'cudnn' (the TPU and GPU
-kernels, which do not compile for CPU) the compile uses `_flash_stand_in`, an
-O(T)-memory function of q, k, v with the kernel's shapes, so the temporaries
-are those of a flash kernel (no [T, S] scores in memory); its FLOPs are not
-the kernel's, which is why FLOPs come from model.flops_per_token.
-
-Shapes: B global batch, T sequence, H heads, G kv heads, K head_dim, S keys.
+Shapes: B global batch, T sequence.
 """
 
-import contextlib
 import dataclasses
 import time
 from typing import Any
 
+from absl import app, flags
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
+from ml_collections import config_flags
 import numpy as np
 
 import data
+import kernels
 import model
-import optim
 import train
 
 # Per-device memory (decimal GB, vendor spec sheets): TPU v5p 95 GB HBM2e,
@@ -76,80 +83,30 @@ class Plan:
   peak_bytes: int
   temp_extrapolated: bool
   compiles: list[Compiled]
+  platform: str
+  attention: str  # the impl the target platform runs, and why
+  tpu_kernels: tuple[str, ...] = ()  # Pallas kernels found in the step lowered for the TPU
   warning: str = ''
 
   def fits(self, budget_gb: float) -> bool:
     return self.peak_bytes <= budget_gb * GB
 
 
-def _flash_stand_in(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
-                    window, segment_ids_BT, cfg) -> jax.Array:
-  """Shapes and O(T) memory of a flash-attention kernel, for CPU compiles only."""
-  del window, segment_ids_BT
-  r = cfg.num_heads // cfg.num_kv_heads
-  kv_BTHK = jnp.repeat(k_BSGK * v_BSGK, r, axis=2)
-  return q_BTHK * kv_BTHK
+def compile_config(cfg: ml_collections.ConfigDict, platform: str
+                   ) -> tuple[ml_collections.ConfigDict, str]:
+  """(the config the CPU compile uses, 'impl (why)' of what `platform` runs).
 
-
-@contextlib.contextmanager
-def _attention_for_cpu(cfg_model: ml_collections.ConfigDict):
-  """Swaps in the stand-in while tracing when the config names a TPU/GPU kernel."""
-  if cfg_model.attention_impl == 'xla':
-    yield
-    return
-  original = model.attention
-  model.attention = _flash_stand_in
-  try:
-    yield
-  finally:
-    model.attention = original
-
-
-def target_mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
-  """The ('data', 'fsdp', 'tensor') sizes train.make_mesh would pick for `devices`."""
-  shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, cfg_train.mesh_tensor]
-  known = int(np.prod([s for s in shape if s != -1]))
-  if shape.count(-1) > 1 or devices % known:
-    raise ValueError(f'mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) does not fit '
-                     f'{devices} devices; set train.mesh_* so their product is the device count '
-                     '(one of them may be -1).')
-  shape = [devices // known if s == -1 else s for s in shape]
-  if int(np.prod(shape)) != devices:
-    raise ValueError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices} devices; '
-                     'set one of train.mesh_* to -1 to let it follow the device count.')
-  return dict(zip(('data', 'fsdp', 'tensor'), shape))
-
-
-def abstract_state(cfg: ml_collections.ConfigDict) -> train.TrainState:
-  """ShapeDtypeStructs of params and optimizer state (nothing is allocated)."""
-  tx = optim.make_optimizer(cfg.opt)
-
-  def init(rng):
-    params = model.init_params(cfg.model, rng)
-    return train.TrainState(params, tx.init(params))
-  return jax.eval_shape(init, jax.random.key(0))
-
-
-def _shard_bytes(tree: Any, shardings: Any) -> int:
-  return sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-             for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
-
-
-def state_bytes(abstract: train.TrainState, mesh_shape: dict[str, int]) -> tuple[int, int]:
-  """(params, optimizer state) bytes per device on a mesh of `mesh_shape`, exactly.
-
-  Every device holds one equally shaped shard of each leaf (train._fit keeps
-  only axes that divide), so the shard shape is the per-device footprint.
+  A flash kernel of the target (pallas, cudnn) becomes the O(T)-memory stand-in.
   """
-  mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
-  shardings = train.state_shardings(abstract, mesh)
-  return (_shard_bytes(abstract.params, shardings.params),
-          _shard_bytes(abstract.opt_state, shardings.opt_state))
+  impl, why = kernels.resolve(cfg.model, platform, segments=cfg.data.document_masking)
+  compiled = cfg.copy_and_resolve_references()
+  compiled.model.attention_impl = 'flash_stand_in' if impl in ('pallas', 'cudnn') else impl
+  return compiled, f'{impl} ({why})'
 
 
 def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  rows = train.batch_sharding(mesh)
+  rows = NamedSharding(mesh, P(train.BATCH_AXES, None))
   batch = {'tokens': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'labels': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'instance_mask': jax.ShapeDtypeStruct(
@@ -163,28 +120,53 @@ def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled
   """AOT-compiles the real train step on `devices` and reads its memory analysis."""
   start = time.perf_counter()
   mesh = train.make_mesh(cfg.train, devices)
-  abstract = abstract_state(cfg)
-  shardings = train.state_shardings(abstract, mesh)
-  batch = abstract_batch(cfg, mesh)
-  shards = data.num_batch_shards(batch['tokens'].sharding, cfg.data.global_batch_size,
-                                 cfg.data.seq_len)
-  accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
-  step = jax.jit(train.make_train_step(cfg, mesh, accum), donate_argnums=0,
-                 out_shardings=(shardings, None))
-  target = train._abstract(abstract, shardings)  # pylint: disable=protected-access
-  with _attention_for_cpu(cfg.model):
-    lowered = step.lower(target, batch)
-  memory = lowered.compile().memory_analysis()
+  step, state, batch, accum = _abstract_step(cfg, mesh)
+  memory = step.lower(state, batch).compile().memory_analysis()
   return Compiled(len(devices), dict(mesh.shape), accum, memory.argument_size_in_bytes,
                   memory.output_size_in_bytes, memory.alias_size_in_bytes,
                   memory.temp_size_in_bytes, time.perf_counter() - start)
+
+
+def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
+  """(jitted train step, abstract state, abstract batch, micro-batches) on `mesh`."""
+  state = train.abstract_state(cfg, mesh)
+  batch = abstract_batch(cfg, mesh)
+  shards = int(np.prod([mesh.shape[a] for a in train.BATCH_AXES]))
+  accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  step = jax.jit(train.make_train_step(cfg, mesh, accum), donate_argnums=0,
+                 out_shardings=(shardings, None))
+  return step, state, batch, accum
+
+
+def tpu_kernels_in_step(cfg: ml_collections.ConfigDict, chip: str, shape: dict[str, int]
+                        ) -> tuple[str, ...]:
+  """Lowers the whole train step for a TPU `chip` on a mesh of `shape`; the Pallas kernels in it.
+
+  An abstract mesh naming the TPU makes Pallas run its Mosaic lowering here
+  (block shapes, tiling) without a TPU; what it cannot check is libtpu's own
+  compile (layouts, VMEM fit).
+  """
+  if chip not in kernels.TPU_DEVICE_KINDS:
+    raise ValueError(f'--chip={chip!r} is not one of {sorted(kernels.TPU_DEVICE_KINDS)}.')
+  kind, cores = kernels.TPU_DEVICE_KINDS[chip]
+  mesh = AbstractMesh(tuple(shape.values()), tuple(shape), (AxisType.Auto,) * len(shape),
+                      abstract_device=AbstractDevice(kind, cores, 'tpu'))
+  cfg = cfg.copy_and_resolve_references()
+  cfg.model.attention_impl, _ = kernels.resolve(cfg.model, 'tpu',
+                                                segments=cfg.data.document_masking)
+  with jax.sharding.use_abstract_mesh(mesh):
+    step, state, batch, _ = _abstract_step(cfg, mesh)
+    text = step.trace(state, batch).lower(lowering_platforms=('tpu',)).as_text()
+  names = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
+  return tuple(n for n in names if n in text)
 
 
 def _scaling_axis(cfg_train: ml_collections.ConfigDict) -> str:
   """The mesh axis that follows the device count (the one set to -1)."""
   axes = [a for a in ('data', 'fsdp', 'tensor') if cfg_train[f'mesh_{a}'] == -1]
   if not axes:
-    raise ValueError('--dry_run_target needs one of train.mesh_data/fsdp/tensor set to -1, '
+    raise ValueError('--target_devices needs one of train.mesh_data/fsdp/tensor set to -1, '
                      'so the mesh can grow from the compiled device count to the target.')
   return axes[0]
 
@@ -199,18 +181,20 @@ def extrapolate_temp(a: Compiled, b: Compiled, fsdp: int) -> int:
   return int(round(c0 + c1 / fsdp))
 
 
-def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None) -> Plan:
-  """Compiles on the simulated devices (twice when extrapolating) and returns the Plan."""
+def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
+              platform: str = 'tpu', chip: str = 'v5p', devices: list[Any] | None = None) -> Plan:
+  """Compiles on the simulated CPU `devices` (twice when extrapolating) and returns the Plan."""
   train.validate(cfg)
-  devices = jax.devices()
+  devices = devices or jax.devices()
   if devices[0].platform != 'cpu':
-    raise ValueError(f'the dry run plans on simulated CPU devices, got {devices[0].platform}; '
+    raise ValueError(f'the planner compiles on simulated CPU devices, got {devices[0].platform}; '
                      'run it with JAX_PLATFORMS=cpu.')
   target = target_devices or len(devices)
-  target_shape = target_mesh_shape(cfg.train, target)
+  target_shape = train.mesh_shape(cfg.train, target)
+  compiled_cfg, attention = compile_config(cfg, platform)
   warning = ''
   if target == len(devices):
-    compiles = [compile_step(cfg, devices)]
+    compiles = [compile_step(compiled_cfg, devices)]
     temp = compiles[0].temp
   else:
     axis = _scaling_axis(cfg.train)
@@ -218,15 +202,17 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None)
       raise ValueError(f'extrapolation follows the FSDP axis; train.mesh_{axis}=-1 scales '
                        f'{axis} instead. Set train.mesh_fsdp=-1 and fix the others.')
     half = len(devices) // 2
-    compiles = [compile_step(cfg, devices[:half]), compile_step(cfg, devices)]
+    compiles = [compile_step(compiled_cfg, devices[:half]), compile_step(compiled_cfg, devices)]
     temp = extrapolate_temp(*compiles, target_shape['fsdp'])
     if compiles[1].temp > compiles[0].temp:
       warning = (f'temp grows from {compiles[0].temp / GB:.2f} to {compiles[1].temp / GB:.2f} '
                  'GB/device with twice the devices: activations are not sharded over the '
                  'batch (every device computes the whole micro-batch), so a + b/fsdp does '
                  'not describe this step and the target temp is not meaningful.')
-  abstract = abstract_state(cfg)
-  params_bytes, opt_bytes = state_bytes(abstract, target_shape)
+  tpu_kernels = ()
+  if platform == 'tpu':
+    tpu_kernels = tpu_kernels_in_step(cfg, chip, train.mesh_shape(cfg.train, len(devices)))
+  params_bytes, opt_bytes = train.state_bytes(cfg, target_shape)
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
   batch_shards = target_shape['data'] * target_shape['fsdp']
   int32_rows = 3 if cfg.data.document_masking else 2  # tokens, labels (, segment ids)
@@ -236,7 +222,7 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None)
   return Plan(model.param_count(cfg.model), flops_token, flops_token * B * T, target,
               target_shape, params_bytes, opt_bytes, batch_bytes, temp,
               params_bytes + opt_bytes + batch_bytes + temp, target != len(devices), compiles,
-              warning)
+              platform, attention, tpu_kernels, warning)
 
 
 def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
@@ -245,7 +231,7 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
   lines = [
       f'model       {m.num_layers} layers, d_model {m.d_model}, {m.num_heads}x{m.head_dim} heads '
       f'({m.num_kv_heads} kv), mlp {m.mlp_hidden}, vocab {m.vocab_size}, '
-      f'attention {m.attention_impl}, remat {m.remat}, {m.dtype} compute',
+      f'remat {m.remat}, {m.dtype} compute',
       f'parameters  {p.param_count:,}',
       f'batch       {d.global_batch_size} x {d.seq_len} = {d.global_batch_size * d.seq_len:,} '
       f'tokens/step, micro-batch {cfg.train.micro_batch_size}/device',
@@ -266,9 +252,13 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
       f'{how})',
       f'  peak       {p.peak_bytes / GB:8.2f} GB/device',
   ]
-  if m.attention_impl != 'xla':
-    lines.append(f'  note: {m.attention_impl} kernel replaced by an O(T)-memory stand-in '
-                 'for the CPU compile')
+  lines.append(f'attention   {p.platform}: {p.attention}')
+  if p.compiles and p.attention.split()[0] in ('pallas', 'cudnn'):
+    lines.append('  the CPU compile used an O(T)-memory stand-in for that kernel '
+                 "(attention_impl='flash_stand_in')")
+  if p.platform == 'tpu':
+    lines.append(f"  lowered for the TPU: {', '.join(p.tpu_kernels) or 'NO Pallas kernel'} "
+                 'in the train step')
   if p.warning:
     lines.append(f'  WARNING: {p.warning}')
   for name, budget in BUDGETS_GB.items():
@@ -277,8 +267,34 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
   return '\n'.join(lines)
 
 
-def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None) -> Plan:
-  """Plans, prints the report and returns the Plan (train.py --dry_run)."""
-  p = make_plan(cfg, target_devices)
+def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
+           **kwargs) -> Plan:
+  """Plans, prints the report and returns the Plan."""
+  p = make_plan(cfg, target_devices, **kwargs)
   print(format_plan(cfg, p), flush=True)
   return p
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.devices < 1 or FLAGS.target_devices < 0:
+    raise app.UsageError('--devices must be >= 1 and --target_devices >= 0.')
+  # Simulated CPU devices; set before anything touches a backend.
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', FLAGS.devices)
+  report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip)
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
+  flags.mark_flag_as_required('config')
+  flags.DEFINE_integer('devices', 8, 'Simulated CPU devices the step is compiled for.')
+  flags.DEFINE_integer('target_devices', 0, 'Devices the report is for (0: --devices); another '
+                       'count is extrapolated from compiles on --devices and half of them.')
+  flags.DEFINE_enum('platform', 'tpu', ['tpu', 'gpu', 'cpu'], "The platform the run targets: "
+                    "attention_impl='auto' is resolved for it.")
+  flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
+                    'is lowered for (with --platform=tpu).')
+  FLAGS = flags.FLAGS
+  app.run(main)

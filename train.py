@@ -1,8 +1,9 @@
 """Trains Olmo 3: python train.py --config=configs/small.py --workdir=/tmp/run.
 
 The same command starts a fresh run or resumes the latest good checkpoint in
---workdir. `--dry_run` compiles the step ahead of time for the config's scale
-and prints memory and FLOPs instead of training (see plan.py).
+--workdir. Before anything is allocated it checks the data settings and that
+params + Adam moments fit the devices; `python plan.py` answers the fuller
+question (temporaries, FLOPs, other meshes) ahead of time.
 
 Reading order: mesh and shardings, state init, the jitted step, the loop.
 Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
@@ -13,62 +14,32 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-
-def _simulate_devices_for_dry_run(argv: list[str]) -> None:
-  """--dry_run plans on --dry_run_devices simulated CPU devices (default 8).
-
-  XLA reads the simulated device count once, when jax is imported, so this
-  runs on the raw argv before the import below.
-  """
-  if not any(a in ('--dry_run', '--dry_run=true', '--dry_run=True') for a in argv):
-    return
-  count = next((a.split('=', 1)[1] for a in argv if a.startswith('--dry_run_devices=')), '8')
-  os.environ['JAX_PLATFORMS'] = 'cpu'
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={count}').strip()
-
-
-_simulate_devices_for_dry_run(sys.argv)
-
-from absl import app, flags, logging  # noqa: E402  (after the XLA_FLAGS set-up above)
-import jax  # noqa: E402
+from absl import app, flags, logging
+import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
+from tensorboardX import FileWriter
+from tensorboardX.proto import event_pb2, summary_pb2
+from tokenizers import Tokenizer
 
 import checkpoint
 import convert
 import data
+import kernels
 import model
 import optim
 
-config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config file.')
-flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
-flags.DEFINE_bool('dry_run', False, 'Compile the train step ahead of time and report; no training.')
-flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
-flags.DEFINE_integer('dry_run_devices', 8, 'Simulated CPU devices the dry run compiles for '
-                     '(read from argv before jax is imported; use the --flag=N form).')
-flags.DEFINE_integer('dry_run_target', 0, 'Device count the dry run reports for (0: '
-                     '--dry_run_devices); another count is extrapolated from compiles on '
-                     'dry_run_devices and half of them (see plan.py).')
-flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 in a multi-process run '
-                    '(default: detected on TPU pods and under SLURM; see init_distributed).')
-flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (with '
-                     '--coordinator_address).')
-flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run (with '
-                     '--coordinator_address).')
-flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
-                     'other processes of a multi-process run abort (JAX default 100).')
-FLAGS = flags.FLAGS
-
+FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
 BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
+MESH_AXES = ('data', 'fsdp', 'tensor')
 
 
 class TrainState(NamedTuple):
@@ -79,20 +50,27 @@ class TrainState(NamedTuple):
 # --- Mesh and shardings -----------------------------------------------------------------
 
 
-def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh; mesh_fsdp=-1 takes the remaining devices."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
+def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
+  """The ('data', 'fsdp', 'tensor') sizes for `devices`; the one set to -1 takes the rest."""
   shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, cfg_train.mesh_tensor]
   known = int(np.prod([s for s in shape if s != -1]))
-  if shape.count(-1) > 1 or devices.size % known:
+  if shape.count(-1) > 1 or devices % known:
     raise ValueError(f'mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) does not fit '
-                     f'{devices.size} devices; set train.mesh_* so their product is the device '
-                     'count (one of them may be -1).')
-  shape = [devices.size // known if s == -1 else s for s in shape]
-  if int(np.prod(shape)) != devices.size:
-    raise ValueError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices.size} devices.')
+                     f'{devices} devices; set train.mesh_* so their product is the device count '
+                     '(one of them may be -1).')
+  shape = [devices // known if s == -1 else s for s in shape]
+  if int(np.prod(shape)) != devices:
+    raise ValueError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices} devices; '
+                     'set one of train.mesh_* to -1 to let it follow the device count.')
+  return dict(zip(MESH_AXES, shape))
+
+
+def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all)."""
+  devices = np.asarray(jax.devices() if devices is None else devices)
+  shape = mesh_shape(cfg_train, devices.size)
   # Plain Mesh = Auto axes: jax.make_mesh's Explicit axes break hk-style gathers.
-  return Mesh(devices.reshape(shape), ('data', 'fsdp', 'tensor'))
+  return Mesh(devices.reshape(tuple(shape.values())), MESH_AXES)
 
 
 # Partition spec per parameter name: FSDP shards d_model, tensor-parallel
@@ -128,17 +106,78 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 # --- State ------------------------------------------------------------------------------
 
 
-def create_state(cfg: ml_collections.ConfigDict, mesh: Mesh, rng: jax.Array
-                 ) -> tuple[TrainState, TrainState]:
-  """(state, shardings): built already sharded, so no full-size array ever exists."""
+def _init_fn(cfg: ml_collections.ConfigDict):
   tx = optim.make_optimizer(cfg.opt)
 
   def init(rng):
     params = model.init_params(cfg.model, rng)
     return TrainState(params, tx.init(params))
-  abstract = jax.eval_shape(init, rng)
-  shardings = state_shardings(abstract, mesh)
-  return jax.jit(init, out_shardings=shardings)(rng), shardings
+  return init
+
+
+def abstract_state(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh | None = None
+                   ) -> TrainState:
+  """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated."""
+  abstract = jax.eval_shape(_init_fn(cfg), jax.random.key(0))
+  if mesh is None:
+    return abstract
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, state_shardings(abstract, mesh))
+
+
+def create_state(cfg: ml_collections.ConfigDict, mesh: Mesh, rng: jax.Array
+                 ) -> tuple[TrainState, TrainState]:
+  """(state, shardings): built already sharded, so no full-size array ever exists."""
+  shardings = state_shardings(abstract_state(cfg), mesh)
+  return jax.jit(_init_fn(cfg), out_shardings=shardings)(rng), shardings
+
+
+def state_bytes(cfg: ml_collections.ConfigDict, shape: dict[str, int]) -> tuple[int, int]:
+  """(params, optimizer state) bytes per device on a mesh of `shape`, exactly.
+
+  Every device holds one equally shaped shard of each leaf (_fit keeps only
+  axes that divide), so the shard shape is the per-device footprint.
+  """
+  abstract = abstract_state(cfg, AbstractMesh(tuple(shape.values()), tuple(shape)))
+  per_device = lambda tree: sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                                for x in jax.tree.leaves(tree))
+  return per_device(abstract.params), per_device(abstract.opt_state)
+
+
+def device_memory_bytes() -> tuple[int, str] | None:
+  """(bytes one local device may use, where the figure comes from), or None if unknown.
+
+  Accelerators report their limit; simulated CPU devices share the host's
+  available memory equally.
+  """
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != 'cpu' else None
+  if stats and stats.get('bytes_limit'):
+    return int(stats['bytes_limit']), f'{device.device_kind} memory limit'
+  try:
+    with open('/proc/meminfo') as f:
+      fields = dict(line.split(':', 1) for line in f)
+    available = int(fields['MemAvailable'].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+  n = jax.local_device_count()
+  return available // n, f'host MemAvailable / {n} local device{"s" * (n > 1)}'
+
+
+def check_state_fits(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Refuses, before allocating, a state whose params + moments exceed a device's memory."""
+  params, opt = state_bytes(cfg, dict(mesh.shape))
+  memory = device_memory_bytes()
+  if memory is None or params + opt <= memory[0]:
+    return
+  gb = lambda b: f'{b / 1e9:.2f} GB'
+  raise MemoryError(
+      f'params + Adam moments need {gb(params + opt)} per device (params {gb(params)}, '
+      f'optimizer state {gb(opt)}) on mesh {dict(mesh.shape)} of {mesh.size} '
+      f'{mesh.devices.flat[0].platform} devices, but a device has {gb(memory[0])} '
+      f'({memory[1]}); activations need more on top. Run on more devices (the state is '
+      'sharded over train.mesh_fsdp), and size the run first with: python plan.py '
+      '--config=CONFIG --devices=N.')
 
 
 ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
@@ -146,8 +185,8 @@ ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'he
                       'rope_theta', 'norm_eps')
 
 
-def load_init(cfg: ml_collections.ConfigDict, state: TrainState, shardings: TrainState
-              ) -> TrainState:
+def load_init(cfg: ml_collections.ConfigDict, mesh: Mesh, state: TrainState,
+              shardings: TrainState) -> TrainState:
   """Step-0 state from cfg.train.init_from: an HF directory or one of our checkpoints.
 
   Only the weights are taken (fresh optimizer), except with
@@ -160,9 +199,9 @@ def load_init(cfg: ml_collections.ConfigDict, state: TrainState, shardings: Trai
   elif checkpoint.committed_steps(path):
     source = ml_collections.ConfigDict(checkpoint.read_metadata(path)['config']).model
     if cfg.train.reset_step_on_init:
-      restored, _ = checkpoint.restore_latest_good(path, _abstract(state, shardings))
+      restored, _ = checkpoint.restore_latest_good(path, abstract_state(cfg, mesh))
       return restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
-    params, _ = checkpoint.restore(path, _abstract(state, shardings).params, subtree='params')
+    params, _ = checkpoint.restore(path, abstract_state(cfg, mesh).params, subtree='params')
   else:
     raise FileNotFoundError(f'init_from={path!r} is neither an HF directory (config.json) '
                             'nor a checkpoint directory with a committed step_N.')
@@ -172,11 +211,6 @@ def load_init(cfg: ml_collections.ConfigDict, state: TrainState, shardings: Trai
                        f'config {cfg.model[field]!r}; set --config.model.{field} to match.')
   params = jax.tree.map(jax.device_put, params, shardings.params)
   return state._replace(params=params)
-
-
-def _abstract(state: TrainState, shardings: TrainState) -> TrainState:
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state, shardings)
 
 
 # --- The step ---------------------------------------------------------------------------
@@ -305,8 +339,6 @@ class MetricWriter:
     # tensorboardX writes event files without TensorFlow or torch. Its
     # SummaryWriter would rename 'train/CE loss' to 'train/CE_loss'; TensorBoard
     # itself accepts any tag, so Summary protos are written as they are.
-    from tensorboardX import FileWriter
-    from tensorboardX.proto import event_pb2, summary_pb2
     self._summary = summary_pb2.Summary
     path = os.path.join(workdir, 'metrics.jsonl')
     if os.path.exists(path):
@@ -370,7 +402,6 @@ class Preemption:
     """
     if jax.process_count() == 1:
       return self.requested
-    from jax.experimental import multihost_utils
     return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
 
   def close(self) -> None:
@@ -396,36 +427,46 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError('train.steps, train.log_every and train.ckpt_every must be >= 1.')
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Runs (or resumes) training to cfg.train.steps; returns the last logged metrics."""
+def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
+          ) -> dict[str, float]:
+  """Runs (or resumes) training to cfg.train.steps; returns the last logged metrics.
+
+  Cheap checks come first, so a bad setting fails in seconds with nothing
+  allocated: the config, the data files, the mesh and micro-batching, and
+  whether params + moments fit a device.
+  """
   validate(cfg)
-  os.makedirs(workdir, exist_ok=True)
+  ds = data.Dataset.from_config(cfg.data)
   mesh = make_mesh(cfg.train)
-  # Before anything is built: the batch must split over the batch axes, and
-  # each device's share into micro-batches (clear errors from data.py).
   accum = data.grad_accum_steps(cfg.data.global_batch_size,
                                 int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
                                 cfg.train.micro_batch_size)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                 keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
-  state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
-  data_state = None
+  impl, why = kernels.resolve(cfg.model, segments=cfg.data.document_masking)
+  logging.info('attention_impl=%s (%s).', impl, why)
+  check_state_fits(cfg, mesh)
+
+  os.makedirs(workdir, exist_ok=True)
   ckpt_dir = os.path.join(workdir, 'checkpoints')
+  ckpt = checkpoint.Checkpointer(ckpt_dir, keep_last=cfg.train.keep_last,
+                                 keep_every=cfg.train.keep_every)
   if not ckpt.committed_steps() and any(
       n.startswith('corrupt.step_') for n in os.listdir(ckpt_dir)):
     # restore_latest_good set them all aside earlier; starting over from step 0
     # here would silently replace the run.
     raise FileNotFoundError(f'{ckpt_dir} holds only corrupt checkpoints (corrupt.step_*); '
                             'restore a good copy there, or remove them to start afresh.')
-  if ckpt.committed_steps():
-    state, meta = ckpt.restore_latest_good(_abstract(state, shardings))
+  data_state = None
+  if ckpt.committed_steps():  # restored straight into its shards: no second copy
+    shardings = state_shardings(abstract_state(cfg), mesh)
+    state, meta = ckpt.restore_latest_good(abstract_state(cfg, mesh))
     data_state = meta['data']
     logging.info('Resumed from step %d in %s.', meta['step'], workdir)
-  elif cfg.train.init_from:
-    state = load_init(cfg, state, shardings)
+  else:
+    state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
+    if cfg.train.init_from:
+      state = load_init(cfg, mesh, state, shardings)
   start = int(jax.device_get(state.opt_state.step))
 
-  ds = data.Dataset.from_config(cfg.data)
   sharding = batch_sharding(mesh)
   loader = data.Loader.from_config(
       cfg.data, ds, state=data_state, sharding=sharding,
@@ -509,8 +550,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     preempt.close()
     loader.close()
     writer.close()
-  if FLAGS.is_parsed() and FLAGS.sample_tokens:
-    print_sample(cfg, state.params, FLAGS.sample_tokens)
+  if sample_tokens:
+    print_sample(cfg, state.params, sample_tokens)
   return last
 
 
@@ -544,7 +585,6 @@ def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: i
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tokenizer.json')
   if cfg.data.vocab_size > 65536 or not os.path.exists(path):
     return
-  from tokenizers import Tokenizer
   tok = Tokenizer.from_file(path)
   ids = tok.encode(prompt).ids
   total = min(len(ids) + length, cfg.data.seq_len)
@@ -571,15 +611,16 @@ def _cluster_detected() -> str | None:
   return None
 
 
-def init_distributed() -> None:
+def init_distributed(coordinator_address: str | None = None, process_id: int | None = None,
+                     num_processes: int | None = None, heartbeat_timeout: int = 100) -> None:
   """Joins a multi-process run before any device is touched; a no-op for one process.
 
-  Explicit --coordinator_address/--process_id/--num_processes win; otherwise
-  JAX's own detection runs on TPU pods and under SLURM. CPU processes talk
-  through gloo collectives (local multi-process tests).
+  Explicit coordinator_address/process_id/num_processes win; otherwise JAX's
+  own detection runs on TPU pods and under SLURM. CPU processes talk through
+  gloo collectives (local multi-process tests).
   """
-  explicit = {'coordinator_address': FLAGS.coordinator_address,
-              'process_id': FLAGS.process_id, 'num_processes': FLAGS.num_processes}
+  explicit = {'coordinator_address': coordinator_address, 'process_id': process_id,
+              'num_processes': num_processes}
   given = [k for k, v in explicit.items() if v is not None]
   if given and len(given) < 3:
     raise app.UsageError(f'--{", --".join(given)} given without '
@@ -592,28 +633,44 @@ def init_distributed() -> None:
   # A dead peer is noticed by its missing heartbeats: the survivors abort
   # instead of hanging in a collective, so the launcher can restart them all.
   jax.distributed.initialize(**(explicit if given else {}),
-                             heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
+                             heartbeat_timeout_seconds=heartbeat_timeout)
   logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
 
 
 def main(argv: list[str]) -> None:
-  del argv
-  cfg = FLAGS.config
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if FLAGS.dry_run:
-    if jax.device_count() != FLAGS.dry_run_devices:
-      raise app.UsageError(f'the dry run sees {jax.device_count()} devices, not '
-                           f'--dry_run_devices={FLAGS.dry_run_devices}: write the flag as '
-                           '--dry_run_devices=N (it is read before jax is imported).')
-    sys.modules.setdefault('train', sys.modules[__name__])  # plan's `import train` is this module
-    import plan
-    plan.report(cfg, FLAGS.dry_run_target or None)
-    return
+    raise app.UsageError('--dry_run moved to its own entry point: python plan.py '
+                         '--config=CONFIG --devices=N [--target_devices=M].')
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required (checkpoints and metrics go there).')
-  init_distributed()
-  train(cfg, FLAGS.workdir)
+  init_distributed(FLAGS.coordinator_address, FLAGS.process_id, FLAGS.num_processes,
+                   FLAGS.heartbeat_timeout)
+  train(FLAGS.config, FLAGS.workdir, FLAGS.sample_tokens)
+
+
+def run() -> None:
+  """The command line: defines the flags and runs main (`python train.py` calls it).
+
+  Flags are defined here rather than at import, so plan.py, tests and scripts
+  can import this module as a library.
+  """
+  config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config file.')
+  flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
+  flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
+  flags.DEFINE_bool('dry_run', False, 'Moved: run python plan.py --config=... --devices=N.')
+  flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 in a multi-process '
+                      'run (default: detected on TPU pods and under SLURM; see init_distributed).')
+  flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (with '
+                       '--coordinator_address).')
+  flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run (with '
+                       '--coordinator_address).')
+  flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
+                       'other processes of a multi-process run abort (JAX default 100).')
+  app.run(main)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run()

@@ -63,7 +63,7 @@ def print_visit_counts(seq_len: int, window: int) -> bool:
     diagonal = int(np.count_nonzero(causal[2] & flash_kernels.MASKED))
     win = kernels.kv_block_visits(seq_len, bq, bk, window)
     bound = 0.75 * full + diagonal
-    period = (3 * win + full) / 4  # Olmo 3 layer pattern SSSF (OLMO3.md §1)
+    period = (3 * win + full) / 4  # Olmo 3 layer pattern SSSF (docs/architecture.md)
     ok = win <= bound
     all_ok &= ok
     grid = (seq_len // bq) * (seq_len // bk)

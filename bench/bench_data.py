@@ -43,7 +43,7 @@ _PARAMS = flags.DEFINE_float('params', 7.30e9, 'Olmo 3 7B parameters (HF config)
 _HOST_TFLOPS = flags.DEFINE_float('host_tflops', 8 * 989.0, 'Host peak: 8 x H100 dense bf16.')
 
 VOCAB, EOS, PAD, SEED = 100278, 100257, 100277, 34521  # dolma2, pretrain-1 seed
-STAGE1_N = 1_413_814 * 512  # OLMO3.md §3: N // 512 == 1,413,814
+STAGE1_N = 1_413_814 * 512  # docs/data.md: N // 512 == 1,413,814
 STAGE1_FILES = 951  # OLMo-core mixes/OLMo-mix-0925-official.txt lines
 
 

@@ -1,6 +1,6 @@
 """CPU train-step speed: our jitted step vs PyTorch + transformers, same model, same run.
 
-The peer (../shared/reference/OLMO3.md §9): a 4-layer / d512 / 8-head /
+The peer (docs/results/cpu_speed.md): a 4-layer / d512 / 8-head /
 MLP-1408 / vocab-32k Olmo 3 at seq 512 x batch 8 in float32. Measures, in one
 process on one CPU device:
   peak     XLA's float32 matmul FLOP/s (the MFU denominator for both)
@@ -129,6 +129,7 @@ def main() -> None:
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--skip_torch', action='store_true')
   args = parser.parse_args()
+  print('load average before (1, 5, 15 min): %.2f %.2f %.2f' % os.getloadavg(), flush=True)
 
   cfg = bench_config(args.vocab, args.seq_len, args.batch)
   tokens = args.batch * args.seq_len
@@ -160,6 +161,9 @@ def main() -> None:
           f'GFLOP/s  MFU {flops_per_token * tokens / t / peak:.1%}{extra}')
   if 'torch' in best:
     print(f'ours / torch tokens/s: {best["torch"] / best["ours"]:.2f}')
+  # The run itself loads the cores (~2 on this machine); a higher figure means
+  # something else competed and the ratio should not be trusted.
+  print('load average after (1, 5, 15 min): %.2f %.2f %.2f' % os.getloadavg())
 
 
 if __name__ == '__main__':

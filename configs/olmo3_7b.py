@@ -2,7 +2,7 @@
 
 Sources: OLMo-core `src/scripts/official/OLMo-3-1025-7B-pretrain-1.py` / `-2.py`
 (recipe), HF `allenai/Olmo-3-1025-7B` config.json (architecture). Every field
-below names its source; see ../shared/reference/OLMO3.md for the numbers.
+below names its source; docs/recipe.md and docs/architecture.md explain them.
 """
 
 import ml_collections
@@ -36,7 +36,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'  # OLMo-core FSDP: fp32 master weights
   m.dtype = 'bfloat16'  # OLMo-core FSDP mixed precision: bf16 compute
   m.remat = 'full'  # none | full | save_dots: see model.REMAT_POLICIES
-  m.attention_impl = 'xla'  # xla | pallas | cudnn: see model.attention
+  m.attention_impl = 'auto'  # Pallas on TPU, cuDNN on GPU, xla on CPU: kernels.resolve
   m.attention_block_q = config_dict.placeholder(int)  # kernel block sizes; None: kernels' table
   m.attention_block_kv = config_dict.placeholder(int)
   return m

@@ -1,7 +1,7 @@
 """Olmo 3 7B stage 2 (mid-training anneal): the stage-1 recipe with what changes.
 
-Source: OLMo-core `src/scripts/official/OLMo-3-1025-7B-midtrain.py`, see
-../shared/reference/OLMO3.md §2. Set `train.init_from` to the final stage-1
+Source: OLMo-core `src/scripts/official/OLMo-3-1025-7B-midtrain.py`; the
+numbers are explained in docs/recipe.md. Set `train.init_from` to the final stage-1
 checkpoint and `data.mix_file` to the midtrain mix (OLMo-core ships
 `olmo_core/data/mixes/OLMo-midtraining-mix-0925-ingredient{1,2}-100B.txt`).
 """

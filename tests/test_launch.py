@@ -264,7 +264,7 @@ def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
   with checkpoint.Checkpointer(tmp_path, fsync=False) as ckpt:
     ckpt.save(4, state)
     ckpt.wait()
-    target = train._abstract(state, shardings)  # pylint: disable=protected-access
+    target = train.abstract_state(cfg, mesh)
     restored, _ = ckpt.restore(target)
   state, m = step(state, put(batches[4]))
   restored, m2 = step(restored, put(batches[4]))

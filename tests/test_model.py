@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from attention_oracle import attention_np
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import convert
+from evaluation import compare
 import model
-import parity
 from configs import olmo3_7b, olmo3_7b_hd256, olmo3_32b, small
 
 HF_CASES = {
@@ -61,7 +60,7 @@ def test_logits_match_hf(tmp_path, case, seq_len):
   ours = np.asarray(model.logits(params, jnp.asarray(tokens), cfg))[..., :250]
   ref = hf_logits(path, tokens)
   assert np.abs(ours - ref).max() < 1e-4
-  stats = parity.compare_logits(ref, ours)
+  stats = compare.compare_logits(ref, ours)
   assert stats['kl_mean'] < 1e-6 and stats['top1_agreement'] == 1.0
 
 
@@ -240,52 +239,3 @@ def test_bad_config_is_named():
     model.validate(_tiny_cfg(num_layers=6))
   with pytest.raises(ValueError, match='remat'):
     model.validate(_tiny_cfg(remat='sometimes'))
-
-
-@pytest.mark.parametrize('window', [None, 1, 5])
-def test_cudnn_path_window_mapping(window):
-  """The GPU path's local_window_size=(W-1, 0) equals our (i-W, i] mask (XLA backend on CPU)."""
-  q = jax.random.normal(jax.random.key(0), (2, 12, 4, 8))
-  k, v = jax.random.normal(jax.random.key(1), (2, 2, 12, 2, 8))
-  local = None if window is None else (window - 1, 0)
-  got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                     implementation='xla')
-  want = model.xla_attention(q, k, v, window=window)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-
-
-@pytest.mark.parametrize('t,window,block_q,segmented', [
-    (20, None, 8, False),  # uneven last block
-    (20, 5, 8, True),  # window inside a block, documents
-    (33, 12, None, False),  # default block
-    (16, None, 64, True),  # one block
-])
-def test_xla_attention_blocks_match_float64(t, window, block_q, segmented):
-  """Blocked forward and hand-written backward equal the float64 formulas (GQA 4:2)."""
-  keys = jax.random.split(jax.random.key(7), 4)
-  q = jax.random.normal(keys[0], (2, t, 4, 8))
-  k, v = jax.random.normal(keys[1], (2, 2, t, 2, 8))
-  dout = jax.random.normal(keys[2], (2, t, 4, 8))
-  segments = np.sort(np.asarray(jax.random.randint(keys[3], (2, t), 0, 3)), axis=1)
-  segments = jnp.asarray(segments) if segmented else None
-  attend = lambda q, k, v: model.xla_attention(q, k, v, window=window, segment_ids_BT=segments,
-                                               block_q=block_q)
-  out, vjp = jax.vjp(attend, q, k, v)
-  want_out, want_grads = attention_np(q, k, v, dout, window, segments)
-  np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6)
-  for got, want in zip(vjp(dout), want_grads):
-    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
-
-
-def test_dense_gradients_match_float64():
-  """dense's hand-written backward: dx = dy w^T, dw = sum over batch and time of x^T dy."""
-  keys = jax.random.split(jax.random.key(8), 3)
-  x, w = jax.random.normal(keys[0], (3, 5, 7)), jax.random.normal(keys[1], (7, 4))
-  dy = jax.random.normal(keys[2], (3, 5, 4))
-  y, vjp = jax.vjp(model.dense, x, w)
-  dx, dw = vjp(dy)
-  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
-  np.testing.assert_allclose(np.asarray(y), x64 @ w64, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(dx), dy64 @ w64.T, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(dw), np.einsum('bti,bto->io', x64, dy64),
-                             rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ Every run is `train.py` in subprocesses on simulated CPU devices
 runs talk through jax.distributed on localhost with gloo collectives. The
 references are independent of the code under test where it matters: the
 instance ids each process must read come from numpy's PCG64 shuffle of the
-raw token file (OLMO3.md §3), and final parameters are read back straight from
+raw token file (docs/data.md), and final parameters are read back straight from
 the checkpoint's zarr arrays with tensorstore. Losses across different device
 counts agree within reduction-order noise; runs with the same layout agree bit
 for bit.
@@ -180,7 +180,7 @@ def copy_checkpoints(src, dst, upto: int) -> None:
 
 
 def expected_ids(step: int) -> np.ndarray:
-  """Instance ids of global batch `step` (0-based), from numpy alone (OLMO3.md §3)."""
+  """Instance ids of global batch `step` (0-based), from numpy alone (docs/data.md)."""
   n = TRAIN_FILE.stat().st_size // 4 // SEQ
   order = np.arange(n, dtype=np.uint32)
   np.random.Generator(np.random.PCG64(SEED + 1)).shuffle(order)
@@ -193,7 +193,6 @@ import json, os, sys
 sys.path.insert(0, {repo!r})
 sys.argv[0] = os.path.join({repo!r}, 'train.py')
 import data, train
-from absl import app
 original = data.Dataset.read
 def read(self, ids):
   if self.files[0].path.endswith('shakespeare-train-00000.npy'):
@@ -201,7 +200,7 @@ def read(self, ids):
       f.write(json.dumps([int(i) for i in ids]) + '\\n')
   return original(self, ids)
 data.Dataset.read = read
-app.run(train.main)
+train.run()
 '''
 
 

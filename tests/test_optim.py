@@ -16,7 +16,7 @@ from olmo_core.optim.scheduler import CosWithWarmup, HalfCosWithWarmup, LinearWi
 import optim
 from configs import olmo3_7b, olmo3_7b_stage2
 
-STAGE1_STEPS = (1, 2000, 596_047, 596_048, 597_046, 1_413_814)  # OLMO3.md §2 boundaries
+STAGE1_STEPS = (1, 2000, 596_047, 596_048, 597_046, 1_413_814)  # docs/recipe.md boundaries
 
 
 def _opt_cfg(**overrides):
@@ -29,7 +29,7 @@ def _opt_cfg(**overrides):
 
 
 def _olmo3_md_stitched(s: int) -> float:
-  """OLMO3.md §2, written out: part 1 up to the resumed checkpoint, then part 2."""
+  """docs/recipe.md, written out: part 1 up to the resumed checkpoint, then part 2."""
   if s <= 596_047:
     if s < 2000:
       return 3e-4 * s / 2000
@@ -73,7 +73,7 @@ def test_stitched_dip_and_end():
   assert lr(596_048) < lr(596_047)  # part 2's warmup restarts below part 1's LR
   assert lr(596_048) < lr(597_046)
   np.testing.assert_allclose(lr(597_046), 1.65e-4, rtol=1e-12)
-  np.testing.assert_allclose(lr(1_413_814), 3.9325e-5, rtol=1e-4)  # OLMO3.md: ~3.93e-5
+  np.testing.assert_allclose(lr(1_413_814), 3.9325e-5, rtol=1e-4)  # docs/recipe.md: ~3.93e-5
 
 
 def test_stage2_schedule_float64():

@@ -1,4 +1,4 @@
-"""Tests for plan.py (the AOT dry run) on the 8 simulated CPU devices of conftest.py.
+"""Tests for plan.py (the AOT planner) on the 8 simulated CPU devices of conftest.py.
 
 References: per-device bytes measured from really allocated, sharded train
 states (train.create_state) and from real compiles; the 7B numbers from
@@ -41,8 +41,7 @@ def _allocated_bytes(tree, device) -> int:
 def test_state_bytes_equal_a_real_sharded_state(mesh):
   cfg = _config(**mesh)
   state, _ = train.create_state(cfg, train.make_mesh(cfg.train), jax.random.key(0))
-  shape = plan.target_mesh_shape(cfg.train, 8)
-  params, opt = plan.state_bytes(plan.abstract_state(cfg), shape)
+  params, opt = train.state_bytes(cfg, train.mesh_shape(cfg.train, 8))
   for device in jax.devices():
     assert params == _allocated_bytes(state.params, device)
     assert opt == _allocated_bytes(state.opt_state, device)
@@ -77,13 +76,13 @@ def test_warns_when_temp_grows_with_the_device_count(monkeypatch, grows):
     return plan.Compiled(n, {'data': 1, 'fsdp': n, 'tensor': 1}, 1, 0, 0, 0,
                          int(1e9 * n if grows else 1e9 / n), 0.0)
   monkeypatch.setattr(plan, 'compile_step', fake_compile)
-  p = plan.make_plan(_config(), target_devices=64)
+  p = plan.make_plan(_config(), target_devices=64, platform='cpu')
   assert ('not sharded over the batch' in p.warning) == grows
 
 
 def test_plan_report_for_a_bigger_target(capsys):
   cfg = _config()
-  p = plan.report(cfg, target_devices=32)
+  p = plan.report(cfg, target_devices=32, platform='cpu')
   out = capsys.readouterr().out
   assert p.temp_extrapolated and [c.devices for c in p.compiles] == [4, 8]
   assert p.target_mesh == {'data': 1, 'fsdp': 32, 'tensor': 1}
@@ -99,20 +98,65 @@ def test_plan_report_for_a_bigger_target(capsys):
 def test_bad_meshes_name_the_fix():
   cfg = _config(mesh_data=3)
   with pytest.raises(ValueError, match='train.mesh_'):
-    plan.target_mesh_shape(cfg.train, 8)
+    train.mesh_shape(cfg.train, 8)
   cfg = _config(mesh_fsdp=8)
   with pytest.raises(ValueError, match='set to -1|set one of'):
-    plan.make_plan(cfg, target_devices=64)
+    plan.make_plan(cfg, target_devices=64, platform='cpu')
+
+
+@pytest.mark.parametrize('platform,want', [
+    ('tpu', 'pallas'), ('gpu', 'cudnn'), ('cpu', 'xla')])
+def test_auto_attention_is_planned_as_the_target_runs_it(platform, want):
+  cfg = _config()
+  cfg.model.dtype = 'bfloat16'  # cuDNN takes bf16
+  compiled, attention = plan.compile_config(cfg, platform)
+  assert attention.startswith(want)
+  assert compiled.model.attention_impl == ('xla' if want == 'xla' else 'flash_stand_in')
+  assert cfg.model.attention_impl == 'auto'  # the caller's config is left alone
+
+
+def test_flash_stand_in_has_flash_memory_not_xla_memory():
+  # At T=1024 the XLA path's [T, S] probabilities dominate the temporaries; the
+  # stand-in, like a flash kernel, has none of them.
+  cfg = _config()
+  cfg.data.seq_len, cfg.model.sliding_window = 1024, 1024
+  xla = plan.compile_step(plan.compile_config(cfg, 'cpu')[0], jax.devices()[:4])
+  flash = plan.compile_step(plan.compile_config(cfg, 'tpu')[0], jax.devices()[:4])
+  probs = 4 * cfg.model.num_heads * 1024 * 128  # one [H, T, 128-key block] f32 tile, at least
+  assert flash.temp + probs < xla.temp
 
 
 @pytest.mark.slow
-def test_7b_dry_run_on_this_machine_in_under_two_minutes():
+def test_7b_plan_in_seconds_with_the_pallas_kernel_in_the_tpu_step():
   start = time.time()
-  proc = subprocess.run([sys.executable, 'train.py', '--config=configs/olmo3_7b.py', '--dry_run',
-                         '--dry_run_devices=8', '--config.model.attention_impl=pallas'],
+  proc = subprocess.run([sys.executable, 'plan.py', '--config=configs/olmo3_7b.py',
+                         '--devices=8', '--platform=tpu', '--chip=v5p'],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
   elapsed = time.time() - start
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'parameters  7,298,617,344' in proc.stdout
-  assert 'target      8 devices' in proc.stdout and 'params         3.65 GB/device' in proc.stdout
+  out = proc.stdout
+  assert 'parameters  7,298,617,344' in out
+  assert 'target      8 devices' in out and 'params         3.65 GB/device' in out
+  assert 'tpu: pallas' in out
+  assert ('lowered for the TPU: flash_attention_fwd, flash_attention_dq, flash_attention_dkv'
+          in out)
   assert elapsed < 120, f'{elapsed:.0f} s'
+
+
+def test_plan_cli_rejects_bad_flags():
+  proc = subprocess.run([sys.executable, 'plan.py', '--config=configs/small.py', '--devices=0'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and '--devices must be >= 1' in proc.stderr
+
+
+@pytest.mark.parametrize('chip', ['v5p', '7x'])
+def test_step_lowered_for_a_tpu_contains_the_pallas_kernels(chip):
+  # The train step on an 8-way FSDP mesh of TPUs: Mosaic kernels are not
+  # auto-partitioned, so this lowering fails unless each device runs its shard.
+  cfg = _config()
+  cfg.model.update(num_heads=2, num_kv_heads=1, head_dim=128)
+  cfg.data.seq_len = 256
+  kernels = plan.tpu_kernels_in_step(cfg, chip, {'data': 1, 'fsdp': 8, 'tensor': 1})
+  assert kernels == ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
+  with pytest.raises(ValueError, match='--chip'):
+    plan.tpu_kernels_in_step(cfg, 'v2', {'data': 1, 'fsdp': 8, 'tensor': 1})

@@ -15,8 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import data  # noqa: E402
-import parity  # noqa: E402
 import reproduce_olmo_core as repro  # noqa: E402
+from evaluation import compare  # noqa: E402
 
 # A smaller model than configs/tiny_repro.py so the test runs in about a minute.
 SMALL = {'model.d_model': 64, 'model.head_dim': 16, 'model.mlp_hidden': 192,
@@ -35,11 +35,11 @@ def test_converted_olmo_core_init_gives_olmo_core_logits():
   params = repro.olmo_core_to_params(model.state_dict(), cfg.model.num_layers)
   tokens = _tokens(cfg)
   reference = repro.olmo_core_logits(model, tokens)
-  same = parity.compare_logits(reference, repro.our_logits(cfg, params, tokens))
+  same = compare.compare_logits(reference, repro.our_logits(cfg, params, tokens))
   assert same['max_abs_logit_diff'] < 1e-4 and same['kl_max'] < 1e-9, same
   # The window mapping is what makes them equal: a W+1 window is visibly different.
   cfg.model.sliding_window_plus_one = True
-  wider = parity.compare_logits(reference, repro.our_logits(cfg, params, tokens))
+  wider = compare.compare_logits(reference, repro.our_logits(cfg, params, tokens))
   assert wider['max_abs_logit_diff'] > 100 * same['max_abs_logit_diff'], (same, wider)
 
 

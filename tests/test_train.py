@@ -39,7 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS, STOP = 8, 3  # the run; the step SIGTERM stops it at (not a ckpt_every multiple)
 CKPT_EVERY = 2
 VOCAB = 256
-# Ai2's W&B names (issue 5) every logged step must carry.
+# Ai2's W&B names every logged step must carry.
 WANDB_NAMES = ('train/CE loss', 'train/Z loss', 'train/PPL', 'optim/LR', 'optim/total grad norm',
                'optim/step skipped', 'throughput/total tokens', 'throughput/device/TPS',
                'throughput/device/MFU')
@@ -147,7 +147,7 @@ def child_command(workdir, token_files, *, devices: int, steps: int = STEPS,
             '    time.sleep(1)\n'
             '  return fetch(self)\n'
             'data.Loader.__next__ = next_or_hang\n'
-            'train.app.run(train.main)\n')
+            'train.run()\n')
   argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0',
           *config_flags(token_files), f'--config.train.steps={steps}']
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
@@ -429,3 +429,53 @@ def test_grad_accumulation_matches_one_big_batch(token_files):
 def test_bad_config_is_a_clear_error(token_files, tmp_path, changes, error, match):
   with pytest.raises(error, match=match):
     train.train(tiny_config(token_files, **changes), str(tmp_path))
+
+
+def _run_7b(tmp_path, *flags, devices=1):
+  """train.py on the 7B config as a user types it; (returncode, stderr, seconds, peak RSS GiB)."""
+  env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+  script = ('import resource, subprocess, sys, time; t = time.time(); '
+            'p = subprocess.run(sys.argv[1:], capture_output=True, text=True); '
+            'rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20; '
+            'print(p.returncode, time.time() - t, rss); sys.stderr.write(p.stderr)')
+  proc = subprocess.run([sys.executable, '-c', script, sys.executable, 'train.py',
+                         '--config=configs/olmo3_7b.py', f'--workdir={tmp_path / "run"}',
+                         *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  rc, seconds, rss_gib = proc.stdout.split()
+  return int(rc), proc.stderr, float(seconds), float(rss_gib)
+
+
+def test_7b_without_data_fails_in_seconds_naming_the_setting(tmp_path):
+  rc, err, seconds, rss = _run_7b(tmp_path)
+  assert rc != 0
+  assert 'data.mix_file' in err and 'data.paths' in err and 'data.base_dir' in err
+  assert seconds < 30 and rss < 2, (seconds, rss)
+  assert not (tmp_path / 'run').exists()  # nothing written
+
+
+def test_7b_that_cannot_fit_fails_before_allocating(tmp_path):
+  # Real data, 2 simulated CPU devices: 87.6 GB of params + moments over fsdp 2
+  # is 43.8 GB per device, more than this machine's memory (or any laptop's).
+  train_file = REPO / 'data' / 'shakespeare-train-00000.npy'
+  rc, err, seconds, rss = _run_7b(tmp_path, f'--config.data.paths={train_file}', devices=2)
+  assert rc != 0 and 'MemoryError' in err
+  assert '43.79 GB per device' in err and 'plan.py' in err, err[-2000:]
+  assert seconds < 60 and rss < 2, (seconds, rss)
+
+
+def test_dry_run_points_to_the_planner(tmp_path):
+  proc = subprocess.run([sys.executable, 'train.py', '--config=configs/small.py', '--dry_run',
+                         f'--workdir={tmp_path}'], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode != 0 and 'python plan.py' in proc.stderr
+
+
+def test_state_fit_check_uses_the_sharded_bytes(token_files, monkeypatch):
+  cfg = tiny_config(token_files)
+  mesh = train.make_mesh(cfg.train)
+  params, opt = train.state_bytes(cfg, dict(mesh.shape))
+  monkeypatch.setattr(train, 'device_memory_bytes', lambda: (params + opt, 'test'))
+  train.check_state_fits(cfg, mesh)  # exactly fits
+  monkeypatch.setattr(train, 'device_memory_bytes', lambda: (params + opt - 1, 'test'))
+  with pytest.raises(MemoryError, match='per device'):
+    train.check_state_fits(cfg, mesh)

@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from tokenizers import Tokenizer
 
 import checkpoint
 import convert
 import model
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _QUERY_CHUNK = 256  # C: head rows per lax.map step; bounds the [C, V] logits block
 
 
@@ -104,15 +105,13 @@ def _default_tokenizer(directory: str, vocab_size: int) -> str | None:
   for candidate in (os.path.join(directory, 'tokenizer.json'),
                     os.path.join(REPO, 'data', 'tokenizer.json')):
     if os.path.exists(candidate):
-      from tokenizers import Tokenizer
       if Tokenizer.from_file(candidate).get_vocab_size() == vocab_size:
         return candidate
   return None
 
 
-def load_tokenizer(path: str | None, lm: LoadedModel):
+def load_tokenizer(path: str | None, lm: LoadedModel) -> Tokenizer:
   """A `tokenizers.Tokenizer` whose ids fit the model."""
-  from tokenizers import Tokenizer
   path = path or lm.tokenizer_path
   if not path:
     raise FileNotFoundError(f'No tokenizer found for {lm.source}; pass --tokenizer=PATH to its '

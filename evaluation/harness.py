@@ -1,30 +1,34 @@
-"""An lm-eval-harness `LM` for our models, so `lm_eval` runs its tasks against our checkpoints.
+r"""An lm-eval-harness `LM` for our models, so `lm_eval` runs its tasks against our checkpoints.
 
-    python eval_harness.py --checkpoint=DIR --tasks=hellaswag,arc_easy --limit=N \
-        [--include_path=DIR_OF_TASK_YAMLS] [--output=results.json]
+    python eval.py --checkpoint=DIR --suite=harness --harness_tasks=hellaswag,arc_easy \
+        --limit=N [--include_path=DIR_OF_TASK_YAMLS] [--output=results.json]
 
 or from Python: `lm_eval.simple_evaluate(model=OlmoLM('DIR'), tasks=[...])`;
 `--model olmo3_jax` also works for any code that has imported this module.
 Tokenization is lm-eval's own (`TemplateLM`); scoring goes through
-eval_scoring.Scorer, the same packed scorer as eval.py, so both report the
-same numbers for the same task. Generation is greedy (no sampling).
+scoring.Scorer, the same packed scorer as eval.py's downstream suite, so both
+report the same numbers for the same task. Generation is greedy (no sampling).
+lm_eval is a test-only package: eval.py imports this module only in its
+harness mode.
 """
 
 from collections.abc import Sequence
 
+import lm_eval
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
+from lm_eval.tasks import TaskManager
 
-import eval_scoring
+from evaluation import scoring
 
 
 @register_model('olmo3_jax')
 class OlmoLM(TemplateLM):
   """A checkpoint or HF directory (or an already loaded model) as an lm-eval `LM`."""
 
-  def __init__(self, checkpoint: str | None = None, *, lm: eval_scoring.LoadedModel | None = None,
+  def __init__(self, checkpoint: str | None = None, *, lm: scoring.LoadedModel | None = None,
                tokenizer: str | None = None, step: int | None = None, dtype: str = 'float32',
                max_length: int | None = None, batch_tokens: int = 16384, max_gen_toks: int = 256,
                batch_size=None, max_batch_size=None, device=None):
@@ -34,10 +38,10 @@ class OlmoLM(TemplateLM):
     super().__init__()
     if (checkpoint is None) == (lm is None):
       raise ValueError('OlmoLM needs exactly one of checkpoint=DIR or lm=LoadedModel.')
-    self.lm = lm or eval_scoring.load_model(checkpoint, step=int(step) if step else None,
-                                            dtype=dtype, max_length=max_length and int(max_length))
-    self.tokenizer = eval_scoring.load_tokenizer(tokenizer, self.lm)
-    self.scorer = eval_scoring.Scorer(self.lm, batch_tokens=int(batch_tokens))
+    self.lm = lm or scoring.load_model(checkpoint, step=int(step) if step else None,
+                                       dtype=dtype, max_length=max_length and int(max_length))
+    self.tokenizer = scoring.load_tokenizer(tokenizer, self.lm)
+    self.scorer = scoring.Scorer(self.lm, batch_tokens=int(batch_tokens))
     self._max_gen_toks = int(max_gen_toks)
 
   @property
@@ -103,39 +107,16 @@ class OlmoLM(TemplateLM):
     return out
 
 
-def main(argv: Sequence[str]) -> None:
-  import json
+def evaluate(checkpoint: str, tasks: Sequence[str], *, limit: int | None = None,
+             num_fewshot: int | None = None, include_path: str | None = None,
+             only_included: bool = False, **model_kwargs) -> dict:
+  """lm_eval.simple_evaluate of `tasks` on a checkpoint; lm-eval's results per task.
 
-  import lm_eval
-  from lm_eval.tasks import TaskManager
-  del argv
-  manager = TaskManager(include_path=FLAGS.include_path or None,
-                        include_defaults=not FLAGS.only_included)
-  results = lm_eval.simple_evaluate(
-      model=OlmoLM(FLAGS.checkpoint, tokenizer=FLAGS.tokenizer, step=FLAGS.step,
-                   dtype=FLAGS.dtype, max_length=FLAGS.max_length),
-      tasks=FLAGS.tasks, num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit,
-      task_manager=manager, log_samples=False)
-  for task, metrics in results['results'].items():
-    print(task, {k: v for k, v in metrics.items() if isinstance(v, float)})
-  if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
-      json.dump(results['results'], f, indent=1, default=str)
-
-
-if __name__ == '__main__':
-  from absl import app, flags
-  flags.DEFINE_string('checkpoint', None, 'HF directory or our checkpoint directory.',
-                      required=True)
-  flags.DEFINE_list('tasks', None, 'lm-eval task names.', required=True)
-  flags.DEFINE_string('include_path', None, 'Folder of extra task YAMLs (e.g. offline copies).')
-  flags.DEFINE_bool('only_included', False, 'Index only --include_path (faster start).')
-  flags.DEFINE_integer('limit', None, 'Documents per task.')
-  flags.DEFINE_integer('num_fewshot', None, "Override the tasks' few-shot count.")
-  flags.DEFINE_string('tokenizer', None, 'tokenizer.json (default: beside the model, or data/).')
-  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
-  flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype.')
-  flags.DEFINE_integer('max_length', None, 'Longest scored input.')
-  flags.DEFINE_string('output', None, 'Where to write the results JSON.')
-  FLAGS = flags.FLAGS
-  app.run(main)
+  `include_path` adds a folder of task YAMLs (e.g. offline copies);
+  `only_included` indexes only that folder, which starts much faster.
+  """
+  manager = TaskManager(include_path=include_path, include_defaults=not only_included)
+  results = lm_eval.simple_evaluate(model=OlmoLM(checkpoint, **model_kwargs), tasks=list(tasks),
+                                    num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                    log_samples=False)
+  return results['results']

