@@ -3,16 +3,19 @@
 One directory per step:
 
   <directory>/step_<N>/
-    metadata.json   the caller's metadata, the tree's key paths, and per array
-                    its shape, dtype, chunk shape and one checksum per chunk
+    metadata.json   the caller's metadata, the tree's key paths, whether the
+                    run was healthy, per array its shape, dtype, chunk shape and
+                    one checksum per chunk, and a checksum of all of that
     arrays/<path>/  one zarr3 array per leaf; <path> is its key path joined by
                     '/' (with use_ocdbt: one OCDBT database in ocdbt/ instead)
     COMMIT          written last; a step directory without it is incomplete
 
 A save writes into <directory>/tmp.step_<N>.<nonce>/; process 0 then renames it
 to step_<N> and writes COMMIT. A crash at any point leaves earlier steps intact,
-and the next save (or Checkpointer.restore) removes tmp.* and uncommitted
-step_* directories.
+and the next Checkpointer (or its save or restore) removes tmp.* directories;
+a step_<N> that lost only its COMMIT is re-committed if it verifies in full
+(see _tidy). WorkdirLock keeps a second run out of the same workdir, whose
+in-flight save would otherwise look like such leftovers.
 
 Each array's zarr chunk grid follows the saving sharding's shards (split
 further to at most `chunk_bytes`), so every process writes whole chunks of the
@@ -21,12 +24,20 @@ chunk is also the unit of checksumming and of reading: restore reads the
 chunks that cover each target device's slice, verifies them, and cuts the
 slice out, so a checkpoint restores onto any mesh and device count.
 
+Read failures fall in two kinds: damage (a checksum mismatch, a missing or
+truncated file, undecodable bytes, metadata that contradicts itself) raises
+CorruptCheckpointError, and restore_latest_good falls back past it; the
+storage refusing a read (permissions, a lost mount, EIO) raises
+CheckpointReadError and nothing is moved, so fixing access brings the run back.
+
 Shapes: the code is rank-agnostic; a "box" is a tuple of (start, stop) per
 dimension of an array.
 """
 
 import concurrent.futures
 import dataclasses
+import datetime
+import fcntl
 import itertools
 import json
 import math
@@ -34,6 +45,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import threading
 import time
 from typing import Any
@@ -54,6 +66,7 @@ FORMAT_VERSION = 1
 CHECKSUM = 'xxh3_64'
 COMMIT = 'COMMIT'
 METADATA = 'metadata.json'
+LOCK = 'LOCK'
 _STEP_RE = re.compile(r'^step_(\d+)$')
 _KEY_RE = re.compile(r'^[A-Za-z0-9_.\-]+$')
 _TIMEOUT_MS = 30 * 60 * 1000  # cross-process waits: a slow writer, not a hang
@@ -62,22 +75,88 @@ _OP_IDS = itertools.count()  # same sequence on every process (SPMD call order)
 Box = tuple[tuple[int, int], ...]
 
 
+# tensorstore raises ValueError('<absl status code>: ...') for damage and for the
+# storage failing alike. Its file driver maps errno to a code (EACCES, EPERM ->
+# PERMISSION_DENIED; ENOENT -> NOT_FOUND; ENOSPC -> RESOURCE_EXHAUSTED; EIO and
+# the rest -> FAILED_PRECONDITION) and tags the message with the errno, while a
+# truncated chunk is FAILED_PRECONDITION without one. Observed for a chmod-000
+# chunk read by another user: "PERMISSION_DENIED: Error reading local file
+# ".../c/0/0": Failed to open: ...: Permission denied [os_error_code='13']".
+_IO_CODES = ('PERMISSION_DENIED', 'UNAVAILABLE', 'DEADLINE_EXCEEDED',
+             'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED', 'UNAUTHENTICATED')
+_ERRNO_TAG = re.compile(r"os_error_code='?\d|\[OS error: ")
+
+
 class CorruptCheckpointError(ValueError):
-  """A committed checkpoint whose files fail their checksums or cannot be read."""
+  """A checkpoint whose files are damaged: failed checksums, missing or bad bytes."""
+
+
+class CheckpointReadError(OSError):
+  """The storage refused a read (permissions, mount, I/O); the checkpoint may be fine."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A background save failed; earlier checkpoints are intact."""
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another live process holds the workdir's LOCK."""
+
+
+def _read_error(file: str, checkpoint_dir: str, cause: Exception) -> CheckpointReadError:
+  return CheckpointReadError(
+      f'Cannot read {file}: {cause}. The storage refused the read (permissions, a '
+      f'lost mount or a disk error), which is not damage: checkpoint {checkpoint_dir} '
+      'was left in place. Check the permissions of the checkpoint directory and that '
+      'its filesystem is mounted and healthy, then rerun the same command.')
+
+
+def _is_io_error(message: str) -> bool:
+  """Whether a tensorstore error message reports the storage failing, not bad bytes."""
+  code = message.split(':', 1)[0]
+  if code == 'NOT_FOUND':  # a missing file in a checkpoint is damage
+    return False
+  return code in _IO_CODES or _ERRNO_TAG.search(message) is not None
+
+
+def _tensorstore_failure(file: str, what: str, checkpoint_dir: str,
+                         cause: ValueError) -> CheckpointReadError | CorruptCheckpointError:
+  """The error to raise for a failed tensorstore open or read of `file`."""
+  if _is_io_error(str(cause)):
+    return _read_error(file, checkpoint_dir, cause)
+  return CorruptCheckpointError(f'Checkpoint {checkpoint_dir}: {what} is unreadable: {cause}')
 
 
 def _step_dir(directory: str, step: int) -> str:
   return os.path.join(directory, f'step_{step}')
 
 
+def _has_commit(step_dir: str) -> bool:
+  """Whether `step_dir` holds COMMIT; raises if the storage cannot tell.
+
+  os.path.exists would say False on EACCES too, and a committed step would
+  then pass for a crashed save.
+  """
+  marker = os.path.join(step_dir, COMMIT)
+  try:
+    os.stat(marker)
+  except (FileNotFoundError, NotADirectoryError):
+    return False
+  except OSError as e:
+    raise _read_error(marker, step_dir, e) from e
+  return True
+
+
 def committed_steps(directory: str) -> list[int]:
   """Steps with a committed (COMMIT-marked) checkpoint in `directory`, ascending."""
-  if not os.path.isdir(directory):
+  try:
+    names = os.listdir(directory)
+  except FileNotFoundError:
     return []
   steps = []
-  for name in os.listdir(directory):
+  for name in names:
     m = _STEP_RE.match(name)
-    if m and os.path.exists(os.path.join(directory, name, COMMIT)):
+    if m and _has_commit(os.path.join(directory, name)):
       steps.append(int(m.group(1)))
   return sorted(steps)
 
@@ -86,6 +165,23 @@ def latest_step(directory: str) -> int | None:
   """The newest committed step in `directory`, or None when there is none."""
   steps = committed_steps(directory)
   return steps[-1] if steps else None
+
+
+def latest_healthy_step(directory: str) -> int | None:
+  """The newest committed step saved with healthy=True, or None when there is none.
+
+  Checkpoints written before the flag existed count as healthy. One whose
+  metadata is damaged is skipped: it cannot be resumed from.
+  """
+  directory = os.path.abspath(directory)
+  for step in reversed(committed_steps(directory)):
+    try:
+      info = _read_info(_step_dir(directory, step))
+    except CorruptCheckpointError:
+      continue
+    if info.get('healthy', True):
+      return step
+  return None
 
 
 def _write_durable(path: str, text: str, fsync: bool) -> None:
@@ -105,18 +201,47 @@ def _fsync_dir(path: str, fsync: bool) -> None:
       os.close(fd)
 
 
-def _remove_partial(directory: str) -> None:
-  """Removes leftovers of crashed saves: tmp.step_* and step_* without COMMIT."""
-  if not os.path.isdir(directory):
+def _tidy(directory: str, fsync: bool) -> None:
+  """Removes leftovers of crashed saves; re-commits a complete step that lost COMMIT.
+
+  tmp.step_* directories are saves that never reached their rename: removed.
+  A step_<N> without COMMIT was renamed into place only after its save had
+  written and verified every file, so it normally lacks just the marker (a
+  crash between rename and marker, or a lost file). It is verified in full
+  (every chunk against its checksum, and metadata.json against its own); if it
+  passes it is re-committed with a warning, not left in place: it may be the
+  run's newest state, and a later save of step N could not rename onto it. One
+  that fails verification is a partial save and is removed. A storage error
+  raises CheckpointReadError with nothing removed. Another run's in-flight
+  save in this directory would look like such leftovers: WorkdirLock keeps a
+  second run out.
+  """
+  try:
+    names = sorted(os.listdir(directory))
+  except FileNotFoundError:
     return
-  for name in sorted(os.listdir(directory)):
+  for name in names:
     path = os.path.join(directory, name)
-    partial = name.startswith('tmp.step_') or (
-        _STEP_RE.match(name) and not os.path.exists(os.path.join(path, COMMIT)))
-    if partial and os.path.isdir(path):
-      logging.warning('Removing partial checkpoint %s (left by a crashed save).',
-                      path)
+    if not os.path.isdir(path):
+      continue
+    if name.startswith('tmp.step_'):
+      logging.warning('Removing partial checkpoint %s (left by a crashed save).', path)
       shutil.rmtree(path, ignore_errors=True)
+    elif _STEP_RE.match(name) and not _has_commit(path):
+      _recommit_or_remove(path, fsync)
+
+
+def _recommit_or_remove(path: str, fsync: bool) -> None:
+  try:
+    _verify_in_full(path)
+  except CorruptCheckpointError as e:
+    logging.warning('Removing partial checkpoint %s (left by a crashed save: %s).', path, e)
+    shutil.rmtree(path, ignore_errors=True)
+    return
+  logging.warning('Checkpoint %s has no %s marker but every file verifies against its '
+                  'checksums (only the marker was lost); re-committing it.', path, COMMIT)
+  _write_durable(os.path.join(path, COMMIT), '', fsync)
+  _fsync_dir(path, fsync)
 
 
 def _delete_step(directory: str, step: int) -> None:
@@ -367,12 +492,16 @@ class Checkpointer:
   """Saves (asynchronously, atomically) and restores train states in `directory`.
 
   At most one save is in flight: save() first waits for the previous one.
-  An error in the background save is raised by the next save(), wait() or
-  close(). Retention, run by process 0 right after each commit: the newest
-  `keep_last` committed steps plus every step divisible by `keep_every` (0:
-  none) are kept. Use one Checkpointer per directory at a time. fsync=False
-  skips fsync (tests, scratch runs): a power cut may then leave a committed
-  step with lost data, which restore's checksums still catch.
+  An error in the background save is raised as CheckpointSaveError by the
+  next poll(), save(), wait() or close(). Retention, run by process 0 right
+  after each commit: the newest `keep_last` committed steps, every step
+  divisible by `keep_every` (0: none), and the newest step saved with
+  healthy=True are kept; so saves made while the run is diverging can never
+  evict its last healthy state. Creating a Checkpointer tidies what crashed
+  saves left (_tidy). Use one Checkpointer per directory at a time (see
+  WorkdirLock). fsync=False skips fsync (tests, scratch runs): a power cut may
+  then leave a committed step with lost data, which restore's checksums still
+  catch.
   """
 
   def __init__(self, directory: str, keep_last: int = 3, keep_every: int = 0,
@@ -392,23 +521,38 @@ class Checkpointer:
                        'default zarr3 files for multi-process runs.')
     os.makedirs(self.directory, exist_ok=True)
     self._thread: threading.Thread | None = None
-    self._error: BaseException | None = None
+    self._error: tuple[int, BaseException] | None = None
     self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+    self._tidy()  # before the caller lists committed steps
 
   def latest_step(self) -> int | None:
     return latest_step(self.directory)
 
+  def latest_healthy_step(self) -> int | None:
+    """Module latest_healthy_step() of this directory."""
+    return latest_healthy_step(self.directory)
+
   def committed_steps(self) -> list[int]:
     return committed_steps(self.directory)
 
-  def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None) -> None:
+  def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None, *,
+           healthy: bool = True) -> None:
     """Snapshots `state` to host now and writes it in the background.
 
     `metadata` (JSON-serializable: config, data state, RNG, ...) is stored with
-    'step' added. Saving an already committed step is skipped with a warning
-    (e.g. a preemption save right after a resume).
+    'step' added. `healthy` says whether the run was healthy at this step (the
+    caller's judgement, e.g. no loss spike or NaN); it is recorded in
+    metadata.json, and retention keeps the newest healthy step until a newer
+    healthy one is committed. Saving an already committed step is skipped with
+    a warning (e.g. a preemption save right after a resume).
     """
     self.wait()
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f'step={step!r}: must be an integer >= 0.')
+    if not isinstance(healthy, (bool, np.bool_)):
+      raise TypeError(f'healthy={healthy!r}: must be a bool (was the run healthy '
+                      'when this state was reached?).')
+    step = int(step)
     metadata = dict(metadata or {})
     if metadata.setdefault('step', step) != step:
       raise ValueError(f"metadata['step']={metadata['step']} differs from step={step}.")
@@ -416,6 +560,7 @@ class Checkpointer:
       json.dumps(metadata)
     except (TypeError, ValueError) as e:
       raise ValueError(f'Checkpoint metadata must be JSON-serializable: {e}') from e
+    self._tidy()  # first: it may re-commit this very step
     if os.path.exists(os.path.join(_step_dir(self.directory, step), COMMIT)):
       logging.warning('Checkpoint step %d already committed in %s; not saving it again.',
                       step, self.directory)
@@ -423,8 +568,6 @@ class Checkpointer:
     names, leaves, treedef = _flatten(state)
     arrays = _snapshot(names, leaves, self._sync.index, self.chunk_bytes)
     key = f'olmo3_checkpoint/{next(_OP_IDS)}'
-    if self._sync.index == 0:
-      _remove_partial(self.directory)
     # Broadcast after the clean-up, so no process creates the new tmp dir early.
     nonce = self._sync.broadcast(f'{key}/nonce', secrets.token_hex(4))
     tmp = os.path.join(self.directory, f'tmp.step_{step}.{nonce}')
@@ -432,7 +575,7 @@ class Checkpointer:
     info = {'format_version': FORMAT_VERSION, 'step': step, 'metadata': metadata,
             'paths': names, 'tree': str(treedef), 'checksum': CHECKSUM,
             'use_ocdbt': self.use_ocdbt, 'process_count': self._sync.count,
-            'jax_version': jax.__version__}
+            'jax_version': jax.__version__, 'healthy': bool(healthy)}
     # Daemon: a process that is failing must not hang at exit on a save that
     # waits for peers (train.py abandons it then; the partial save is ignored).
     self._thread = threading.Thread(
@@ -465,7 +608,7 @@ class Checkpointer:
         info['arrays'] = _verify_and_describe(tmp, arrays, [p['sums'] for p in parts],
                                               self.use_ocdbt)
         info['time'] = time.time()
-        _write_durable(os.path.join(tmp, METADATA), json.dumps(info), self.fsync)
+        _write_durable(os.path.join(tmp, METADATA), _sealed(info), self.fsync)
         final = _step_dir(self.directory, step)
         os.rename(tmp, final)
         _fsync_dir(self.directory, self.fsync)
@@ -492,37 +635,67 @@ class Checkpointer:
     keep = set(steps[-self.keep_last:])
     if self.keep_every:
       keep |= {s for s in steps if s % self.keep_every == 0}
+    newest_healthy = latest_healthy_step(self.directory)
+    if newest_healthy is not None:
+      keep.add(newest_healthy)
     for s in steps:
       if s not in keep:
         _delete_step(self.directory, s)
 
+  def poll(self) -> None:
+    """Raises CheckpointSaveError now if the last background save has failed.
+
+    Non-blocking (a thread liveness check), so cheap enough to call every
+    step. In multi-process runs every process learns of a failure, but each
+    on its own schedule (possibly a step apart).
+    """
+    if self._thread is None or not self._thread.is_alive():
+      self.wait()
+
   def wait(self) -> None:
-    """Blocks until the in-flight save is committed; raises its error if it failed."""
+    """Blocks until the in-flight save is committed; raises CheckpointSaveError if it failed."""
     if self._thread is not None:
       self._thread.join()
       self._thread = None
     if self._error is not None:
       (step, error), self._error = self._error, None
-      raise RuntimeError(f'Checkpoint save of step {step} in {self.directory} failed; '
-                         'its temporary directory was removed and earlier checkpoints '
-                         f'are intact: {type(error).__name__}: {error}') from error
+      raise CheckpointSaveError(
+          f'Checkpoint save of step {step} in {self.directory} failed; its temporary '
+          'directory was removed and earlier checkpoints are intact: '
+          f'{type(error).__name__}: {error}. Fix the cause (disk space, permissions, '
+          'the mount), then rerun the same command to resume from the latest '
+          'checkpoint.') from error
 
   def restore(self, target: Any, step: int | None = None,
               verify: bool = True) -> tuple[Any, dict[str, Any]]:
-    """Module restore() of `step` (default: latest), after removing partial saves."""
+    """Module restore() of `step` (default: latest), after tidying (_tidy)."""
     self._before_restore()
     return restore(self.directory, target, step, verify=verify)
 
   def restore_latest_good(self, target: Any,
                           verify: bool = True) -> tuple[Any, dict[str, Any]]:
-    """Module restore_latest_good(), after removing partial saves."""
+    """Module restore_latest_good(), after tidying (_tidy)."""
     self._before_restore()
     return restore_latest_good(self.directory, target, verify=verify)
 
   def _before_restore(self) -> None:
     self.wait()
+    self._tidy()
+
+  def _tidy(self) -> None:
+    """Process 0 runs _tidy; if it fails, every process raises (none waits forever)."""
+    key = f'olmo3_checkpoint/{next(_OP_IDS)}/tidy'
+    error = None
     if self._sync.index == 0:
-      _remove_partial(self.directory)
+      try:
+        _tidy(self.directory, self.fsync)
+      except OSError as e:
+        error = e
+    failure = self._sync.broadcast(key, '' if error is None else str(error))
+    if error is not None:
+      raise error
+    if failure:
+      raise CheckpointReadError(f'Process 0 could not tidy {self.directory}: {failure}')
 
   def close(self) -> None:
     """Waits for the in-flight save (raising its error) and frees the hash threads."""
@@ -538,17 +711,49 @@ class Checkpointer:
     self.close()
 
 
+def _info_checksum(info: dict[str, Any]) -> str:
+  # Over a canonical serialization, so the checksum can live in the file it covers.
+  return xxhash.xxh3_64_hexdigest(json.dumps(info, sort_keys=True).encode())
+
+
+def _sealed(info: dict[str, Any]) -> str:
+  """metadata.json's text: `info` as a reader will parse it, plus its checksum."""
+  info = json.loads(json.dumps(info))  # e.g. int dict keys become the strings read back
+  return json.dumps(info | {'metadata_checksum': _info_checksum(info)})
+
+
 def _read_info(path: str) -> dict[str, Any]:
+  """A step directory's metadata.json, verified against its own checksum."""
+  file = os.path.join(path, METADATA)
   try:
-    with open(os.path.join(path, METADATA)) as f:
-      info = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+    with open(file, 'rb') as f:
+      text = f.read()
+  except (FileNotFoundError, IsADirectoryError) as e:
+    raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} is missing: {e}') from e
+  except OSError as e:
+    raise _read_error(file, path, e) from e
+  try:
+    info = json.loads(text)
+  except ValueError as e:  # bad JSON, or bytes that are not UTF-8
     raise CorruptCheckpointError(f'Checkpoint {path}: unreadable {METADATA}: {e}') from e
+  if not isinstance(info, dict):
+    raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} holds a '
+                                 f'{type(info).__name__}, not an object.')
   if (info.get('format_version') != FORMAT_VERSION or info.get('checksum') != CHECKSUM
       or not {'arrays', 'metadata', 'use_ocdbt'} <= info.keys()):
     raise CorruptCheckpointError(
         f'Checkpoint {path}: {METADATA} is not format {FORMAT_VERSION} with {CHECKSUM} '
         f'checksums (format {info.get("format_version")}, keys {sorted(info)}).')
+  # Checkpoints saved before the checksum existed have none and are read as
+  # before; the format version stays, so older code still reads new ones
+  # (rather than set them all aside as corrupt). Damage that leaves valid JSON
+  # minus exactly this key is not a realistic failure.
+  claimed = info.pop('metadata_checksum', None)
+  if claimed is not None and claimed != _info_checksum(info):
+    raise CorruptCheckpointError(
+        f'Checkpoint {path}: {file} fails its {CHECKSUM} checksum: it was damaged or '
+        'edited after the save, so nothing in it (data position, array shapes) can '
+        'be trusted.')
   return info
 
 
@@ -562,7 +767,7 @@ def _committed_dir(directory: str, step: int | None) -> str:
   if not os.path.isdir(path):
     raise FileNotFoundError(f'No checkpoint for step {step} in {directory}; committed '
                             f'steps: {committed_steps(directory)}.')
-  if not os.path.exists(os.path.join(path, COMMIT)):
+  if not _has_commit(path):
     raise FileNotFoundError(f'Checkpoint {path} is incomplete (no {COMMIT} marker: its '
                             'save never finished); restore an earlier step.')
   return path
@@ -607,17 +812,68 @@ def _check_match(path: str, names: list[str], specs: list[tuple], stored: dict) 
                        f'restored as {dtype} (only float <-> float casts).')
 
 
+def _array_file(path: str, name: str, use_ocdbt: bool, key: str = 'zarr.json') -> str:
+  """The file holding `key` of array `name` (with OCDBT: the database holding it)."""
+  if use_ocdbt:
+    return os.path.join(path, 'ocdbt')
+  return os.path.join(path, 'arrays', name, key)
+
+
+def _opened(path: str, name: str, desc: Any, use_ocdbt: bool, future: Any) -> Any:
+  """The opened array `name`, checked against what metadata.json declares for it."""
+  try:
+    store = future.result()
+  except ValueError as e:
+    raise _tensorstore_failure(_array_file(path, name, use_ocdbt), f'array {name}',
+                               path, e) from e
+  try:
+    declared = (tuple(desc['shape']), ts.dtype(desc['dtype']), tuple(desc['chunk_shape']))
+  except (KeyError, TypeError, ValueError) as e:
+    raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} describes array '
+                                 f'{name} badly: {e!r}') from e
+  chunk = store.chunk_layout.read_chunk.shape or ()  # None for a scalar
+  actual = (tuple(store.shape), store.dtype, tuple(chunk))
+  if declared != actual:
+    raise CorruptCheckpointError(
+        f"Checkpoint {path}: array {name}'s zarr.json says (shape, dtype, chunk shape) "
+        f'{actual}, but {METADATA} declares {declared}: one of the two was damaged or '
+        'edited.')
+  return store
+
+
 def _load_chunk(path: str, name: str, cid: tuple[int, ...], read: Any,
-                expected: str | None) -> np.ndarray:
+                expected: str | None, use_ocdbt: bool) -> np.ndarray:
+  key = _chunk_key(cid)
   try:
     data = read.result()
-  except ValueError as e:  # tensorstore: missing or truncated chunk file
-    raise CorruptCheckpointError(f'Checkpoint {path}: array {name} {_chunk_key(cid)} '
-                                 f'is unreadable: {e}') from e
+  except ValueError as e:
+    raise _tensorstore_failure(_array_file(path, name, use_ocdbt, key),
+                               f'array {name} {key}', path, e) from e
   if expected is not None and _checksum(data) != expected:
-    raise CorruptCheckpointError(f'Checkpoint {path}: array {name} {_chunk_key(cid)} '
+    raise CorruptCheckpointError(f'Checkpoint {path}: array {name} {key} '
                                  f'fails its {CHECKSUM} checksum.')
   return data
+
+
+def _verify_in_full(path: str) -> None:
+  """Reads every chunk of the checkpoint in `path` against its checksum.
+
+  Raises CorruptCheckpointError or CheckpointReadError as restore does. One
+  chunk at a time: this is a rare recovery path, and memory stays bounded.
+  """
+  info = _read_info(path)
+  use_ocdbt, ctx = info['use_ocdbt'], ts.Context()
+  for name, desc in info['arrays'].items():
+    store = _opened(path, name, desc, use_ocdbt,
+                    ts.open(_spec(path, name, use_ocdbt), open=True, context=ctx))
+    shape, chunk = tuple(desc['shape']), tuple(desc['chunk_shape'])
+    ids = list(_chunk_ids(tuple((0, n) for n in shape), chunk))
+    if set(desc['checksums']) != {_chunk_key(c) for c in ids}:
+      raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} lists checksums '
+                                   f'for other chunks than array {name} has.')
+    for cid in ids:
+      read = store[_slices(_chunk_box(cid, chunk, shape))].read()
+      _load_chunk(path, name, cid, read, desc['checksums'][_chunk_key(cid)], use_ocdbt)
 
 
 def _assemble(box: Box, chunks: dict, chunk: tuple[int, ...], shape: tuple[int, ...],
@@ -644,41 +900,41 @@ def restore(directory: str, target: Any, step: int | None = None,
   the target dtype. Each process reads only the chunks covering its devices'
   slices and checks their checksums (`verify`). `subtree` names a top-level
   key (e.g. 'params'): `target` then mirrors only that part, and only its
-  arrays are read. Returns (state, metadata). Raises FileNotFoundError for a missing or incomplete checkpoint, ValueError
-  naming the array for a mismatch, CorruptCheckpointError for bad data.
+  arrays are read. Returns (state, metadata). metadata.json is verified
+  against its own checksum even with verify=False. Raises FileNotFoundError
+  for a missing or incomplete checkpoint, ValueError naming the array for a
+  mismatch with `target`, CorruptCheckpointError for damaged files (checked
+  before the mismatch, so damage is never blamed on the config), and
+  CheckpointReadError when the storage refuses a read.
   """
   path = _committed_dir(directory, step)
   info = _read_info(path)
-  stored = info['arrays']
+  stored, use_ocdbt = info['arrays'], info['use_ocdbt']
   names, leaves, treedef = _flatten(target)
   if subtree:  # e.g. 'params': restore only the arrays under that key
     names = [f'{subtree}/{n}' for n in names]
     stored = {n: v for n, v in stored.items() if n.startswith(subtree + '/')}
   specs = [_target_spec(n, leaf) for n, leaf in zip(names, leaves)]
-  _check_match(path, names, specs, stored)
   ctx = ts.Context()
-  opened = [ts.open(_spec(path, n, info['use_ocdbt']), open=True, context=ctx)
-            for n in names]
+  opening = {n: ts.open(_spec(path, n, use_ocdbt), open=True, context=ctx)
+             for n in names if n in stored}
+  stores = {n: _opened(path, n, stored[n], use_ocdbt, f) for n, f in opening.items()}
+  _check_match(path, names, specs, stored)
   pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
   try:
     plans = []  # issue every read first, then finish array by array
-    for name, (_, _, sharding), store in zip(names, specs, opened):
+    for name, (_, _, sharding) in zip(names, specs):
       shape, chunk = tuple(stored[name]['shape']), tuple(stored[name]['chunk_shape'])
       boxes = {tuple((0, n) for n in shape): []}
       if sharding is not None:
         boxes = {}
         for device, index in sharding.addressable_devices_indices_map(shape).items():
           boxes.setdefault(_index_box(index, shape), []).append(device)
-      try:
-        store = store.result()
-      except ValueError as e:
-        raise CorruptCheckpointError(f'Checkpoint {path}: array {name} is '
-                                     f'unreadable: {e}') from e
       loads = {}
       for cid in sorted({c for box in boxes for c in _chunk_ids(box, chunk)}):
-        read = store[_slices(_chunk_box(cid, chunk, shape))].read()
+        read = stores[name][_slices(_chunk_box(cid, chunk, shape))].read()
         expected = stored[name]['checksums'].get(_chunk_key(cid), '') if verify else None
-        loads[cid] = pool.submit(_load_chunk, path, name, cid, read, expected)
+        loads[cid] = pool.submit(_load_chunk, path, name, cid, read, expected, use_ocdbt)
       plans.append((shape, chunk, boxes, loads))
     out = []
     for name, leaf, (_, dtype, sharding), (shape, chunk, boxes, loads) in zip(
@@ -708,9 +964,12 @@ def restore_latest_good(directory: str, target: Any,
                         verify: bool = True) -> tuple[Any, dict[str, Any]]:
   """Restores the newest committed checkpoint that passes its checksums.
 
-  A corrupt or truncated one is logged as a warning and renamed to
-  corrupt.step_<N>.<nonce> (kept for inspection, out of the way of new saves
-  and of later resumes); the previous one is tried next. Every process must
+  A damaged one (CorruptCheckpointError: chunks, metadata.json, zarr.json) is
+  logged as a warning and renamed to corrupt.step_<N>.<nonce> (kept for
+  inspection, out of the way of new saves and of later resumes); the previous
+  one is tried next. A storage failure (CheckpointReadError: permissions, a
+  lost mount, EIO) is raised at once and nothing is renamed: the checkpoint
+  may be fine, and fixing access must bring the run back. Every process must
   agree a checkpoint is intact, since each reads different chunks. A mismatch
   with `target` is a config error and is raised, not skipped.
   """
@@ -722,18 +981,118 @@ def restore_latest_good(directory: str, target: Any,
     raise FileNotFoundError(f'No committed checkpoint in {directory}.')
   failures = []
   for step in reversed(steps):
-    result, error = None, ''
+    result, error, report = None, None, ''
     try:
       result = restore(directory, target, step, verify=verify)
-    except CorruptCheckpointError as e:
-      error = str(e)
-    errors = [e for e in sync.gather(f'{key}/{step}', error) if e]
-    if not errors:
+    except (CorruptCheckpointError, CheckpointReadError) as e:
+      error = e
+      report = json.dumps([isinstance(e, CheckpointReadError), str(e)])
+    reports = [json.loads(r) for r in sync.gather(f'{key}/{step}', report) if r]
+    unreadable = [message for is_read_error, message in reports if is_read_error]
+    if unreadable:  # the storage, not the checkpoint: stop and move nothing
+      if isinstance(error, CheckpointReadError):
+        raise error
+      raise CheckpointReadError(f'Another process could not read step {step}: {unreadable[0]}')
+    if not reports:
       return result
-    failures.append(f'step {step}: {errors[0]}')
+    failures.append(f'step {step}: {reports[0][1]}')
     logging.warning('Checkpoint step %d in %s is corrupt (%s); falling back to the '
-                    'previous committed checkpoint.', step, directory, errors[0])
+                    'previous committed checkpoint.', step, directory, reports[0][1])
     if sync.index == 0:
       os.rename(_step_dir(directory, step), os.path.join(
           directory, f'corrupt.step_{step}.{secrets.token_hex(4)}'))
-  raise CorruptCheckpointError(f'No intact checkpoint in {directory}: ' + '; '.join(failures))
+  raise CorruptCheckpointError(
+      f'No intact checkpoint in {directory}: ' + '; '.join(failures) + '. Each was moved '
+      'to corrupt.step_<N>.*. Put an intact copy back as step_<N> (with its COMMIT) to '
+      'resume, or delete the corrupt.step_* directories to start the run afresh.')
+
+
+class WorkdirLock:
+  """Exclusive use of a workdir by one training run: `with WorkdirLock(workdir): ...`.
+
+  An advisory fcntl.flock on <workdir>/LOCK, whose text names the holder as
+  JSON {host, pid, started}. A second run gets WorkdirLockedError naming the
+  holder. The kernel drops the lock when its holder dies however it dies, so a
+  LOCK whose lock is free was left by a dead run: it is taken over with a
+  warning naming that run. Released on exit, exceptions included; a clean
+  release empties LOCK, so only a dead holder is ever reported as stale.
+
+  flock rather than POSIX record locks (fcntl.lockf): those belong to the
+  process, do not conflict within it, and vanish when it closes any
+  descriptor of the file (e.g. after reading the holder's JSON). Linux runs
+  flock on NFS as a POSIX lock, so it holds across hosts there too.
+
+  Multi-process runs share one workdir, so only process 0 takes the lock; the
+  caller decides, e.g. `WorkdirLock(w) if jax.process_index() == 0 else
+  contextlib.nullcontext()`. The lock is the main protection of Checkpointer's
+  clean-up, which would otherwise take another run's in-flight save for the
+  leftovers of a crashed one.
+  """
+
+  def __init__(self, workdir: str):
+    self.workdir = os.path.abspath(workdir)
+    self.path = os.path.join(self.workdir, LOCK)
+    self._fd: int | None = None
+
+  def __enter__(self) -> 'WorkdirLock':
+    if self._fd is not None:
+      raise RuntimeError(f'{self.path} is already held by this WorkdirLock.')
+    fd = self._open()
+    try:
+      self._lock(fd)
+      previous = _describe_holder(fd)
+      if previous:
+        logging.warning('Taking over the stale workdir lock %s: its holder (%s) is no '
+                        'longer running.', self.path, previous)
+      holder = {'host': socket.gethostname(), 'pid': os.getpid(),
+                'started': datetime.datetime.now(datetime.timezone.utc).isoformat()}
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, json.dumps(holder).encode(), 0)
+      os.fsync(fd)
+    except BaseException:
+      os.close(fd)  # also releases the lock if it was taken
+      raise
+    self._fd = fd
+    return self
+
+  def __exit__(self, *exc) -> None:
+    fd, self._fd = self._fd, None
+    try:
+      os.ftruncate(fd, 0)  # no holder left to be reported as stale
+    finally:
+      os.close(fd)  # releases the flock
+
+  def _open(self) -> int:
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+      return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise OSError(e.errno, f'Cannot open the workdir lock {self.path}: {e.strerror}. '
+                    'Make the workdir writable (and LOCK a regular file), or choose '
+                    'another --workdir.') from e
+
+  def _lock(self, fd: int) -> None:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _describe_holder(fd) or 'a run that is still writing its details'
+      raise WorkdirLockedError(
+          f'Workdir {self.workdir} is in use by another training run ({holder}; lock '
+          f'file {self.path}). Two runs in one workdir would overwrite each other\'s '
+          'checkpoints. Wait for that run to end or stop it, or use another '
+          '--workdir.') from None
+    except OSError as e:
+      raise OSError(e.errno, f'Cannot lock {self.path}: {e.strerror}. Its filesystem '
+                    'may not support file locks; put the workdir on one that does.') from e
+
+
+def _describe_holder(fd: int) -> str:
+  """The holder recorded in an open LOCK file, in words ('' when it is empty)."""
+  text = os.pread(fd, 4096, 0).decode(errors='replace').strip()
+  if not text:
+    return ''
+  try:
+    holder = json.loads(text)
+    return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
+  except (ValueError, TypeError, KeyError):
+    return f'unrecognised LOCK contents {text[:200]!r}'

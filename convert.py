@@ -1,11 +1,23 @@
 """Olmo 3 weights between HF safetensors directories and our params.
 
-    python convert.py --from_hf=HF_DIR --to=CKPT_DIR      # HF -> our checkpoint
-    python convert.py --from_ckpt=CKPT_DIR --to_hf=HF_DIR  # our checkpoint -> HF
+    python convert.py --from_hf=HF_DIR --to=CKPT_DIR [--overwrite]   # HF -> our checkpoint
+    python convert.py --from_ckpt=CKPT_DIR --to_hf=HF_DIR             # our checkpoint -> HF
 
 Tensors are streamed one at a time from memory-mapped safetensors into the
 stacked [L, ...] arrays of model.py (and back, one output shard at a time), so
 converting a 7B model needs about one copy of the weights in host memory.
+
+A checkpoint converted from HF keeps its source: the metadata's `hf_source`
+holds the config.json and generation_config.json as read (vocabulary, token
+ids, dtype, context length), and step_0/hf_files/ the tokenizer files. The
+export writes them back, so HF -> checkpoint -> HF gives the same model. A
+train.py checkpoint exports its data config's vocabulary and token ids, and
+the run's tokenizer (--tokenizer, default the embedded one when its
+vocabulary is the run's) with a tokenizer_config.json naming EOS and PAD.
+
+The checkpoint is built beside CKPT_DIR and moved in whole; one that is
+already there is replaced only with --overwrite, by an atomic exchange of the
+two directories, so a crash leaves the old checkpoint or the new, never a mix.
 
 HF config dialects read (docs/architecture.md):
   hub:    top-level `rope_theta`, `rope_scaling`, `layer_types`, `sliding_window`
@@ -16,10 +28,15 @@ HF config dialects read (docs/architecture.md):
 We write the hub dialect, which transformers 4.57 and >= 5.13 both read right.
 """
 
+import ctypes
+import errno
 import json
 import logging
 import math
 import os
+import re
+import secrets
+import shutil
 from collections.abc import Iterator
 
 from absl import app, flags
@@ -29,6 +46,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 import checkpoint
 from configs import olmo3_7b
@@ -55,6 +73,20 @@ GLOBAL_TENSORS = {
     'lm_head.weight': ('lm_head', 'w'),
 }
 _VOCAB_ROWS = {('embed', 'embedding'): 0, ('lm_head', 'w'): 1}  # axis of the vocab, ours
+_REQUIRED_CONFIG = ('num_hidden_layers', 'hidden_size', 'num_attention_heads',
+                    'intermediate_size', 'vocab_size')
+DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
+# Files beside HF weights that describe the tokenizer; kept in step_0/HF_FILES.
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
+                   'vocab.json', 'merges.txt', 'added_tokens.json', 'tokenizer.model',
+                   'chat_template.jinja', 'chat_template.json')
+HF_FILES = 'hf_files'
+EMBEDDED_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
+                                  'tokenizer.json')
+# What a checkpoint directory may hold (checkpoint.py and train.py names); --overwrite
+# replaces the whole directory, so anything else in it is refused rather than deleted.
+_CHECKPOINT_ENTRY = re.compile(r'^(step_\d+|tmp\.step_.+|corrupt\.step_.+)$')
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 
 
 def _transposed(key: tuple[str, str], value: np.ndarray) -> np.ndarray:
@@ -94,6 +126,9 @@ def model_config_from_hf(hf: dict, pad_vocab_to: int = 128) -> ml_collections.Co
   """Our model config (7B defaults for what HF does not say) from an HF config dict."""
   if hf.get('model_type') != 'olmo3':
     raise ConversionError(f"model_type is {hf.get('model_type')!r}, expected 'olmo3'")
+  missing = [k for k in _REQUIRED_CONFIG if k not in hf]
+  if missing:
+    raise ConversionError(f'config.json lacks {missing}; restore the HF original.')
   m = olmo3_7b.model_config()
   m.num_layers = hf['num_hidden_layers']
   m.d_model = hf['hidden_size']
@@ -219,8 +254,7 @@ def load_hf(directory: str, *, pad_vocab_to: int = 128, dtype=np.float32
   config_path = os.path.join(directory, 'config.json')
   if not os.path.exists(config_path):
     raise FileNotFoundError(f'{config_path} not found; is {directory} an HF model directory?')
-  with open(config_path) as f:
-    cfg = model_config_from_hf(json.load(f), pad_vocab_to)
+  cfg = model_config_from_hf(_read_json(config_path), pad_vocab_to)
   files = _weight_files(directory)
   shapes = _shapes(cfg)
   expected = set(GLOBAL_TENSORS) | {f'model.layers.{i}.{name}'
@@ -285,13 +319,14 @@ def _place(params: dict, shapes: dict, hf_name: str, tensor: np.ndarray) -> None
 def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
             vocab_size: int | None = None, dtype: str = 'float32',
             max_shard_bytes: int = 5 << 30, eos_token_id: int | None = None,
-            pad_token_id: int | None = None) -> None:
+            pad_token_id: int | None = None, config: dict | None = None) -> None:
   """Writes params as an HF directory: sharded safetensors, index, config.json.
 
   vocab_size: HF rows to keep (e.g. 100278 for the dolma2 tokenizer); None
-  keeps all rows, which makes params -> HF -> params exact.
+  keeps all rows, which makes params -> HF -> params exact. config: the
+  config.json to write (default: hf_config of cfg with the given ids).
   """
-  np_dtype = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}[dtype]
+  np_dtype = DTYPES[dtype]
   vocab_size = vocab_size or cfg.vocab_size
   if vocab_size > cfg.vocab_size:
     raise ConversionError(f'vocab_size={vocab_size} exceeds the model vocab {cfg.vocab_size}')
@@ -328,11 +363,12 @@ def save_hf(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
     weight_map.update({name: file for name in tensors})
     del tensors
   if len(shards) > 1:
-    with open(os.path.join(directory, 'model.safetensors.index.json'), 'w') as f:
-      json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
-  with open(os.path.join(directory, 'config.json'), 'w') as f:
-    json.dump(hf_config(cfg, vocab_size, eos_token_id=eos_token_id,
-                        pad_token_id=pad_token_id, dtype=dtype), f, indent=2)
+    _write_json(os.path.join(directory, 'model.safetensors.index.json'),
+                {'metadata': {'total_size': total}, 'weight_map': weight_map})
+  if config is None:
+    config = hf_config(cfg, vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                       dtype=dtype)
+  _write_json(os.path.join(directory, 'config.json'), config)
 
 
 # --- Our checkpoints ---------------------------------------------------------------
@@ -356,36 +392,253 @@ def load_checkpoint_params(directory: str, step: int | None = None
   return params, cfg
 
 
-def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directory: str) -> None:
-  """Writes params as step_0 of a checkpoint directory (usable as train.init_from)."""
-  with checkpoint.Checkpointer(directory) as ckpt:
-    ckpt.save(0, {'params': params}, {'config': {'model': cfg.to_dict()}})
+def read_hf_source(directory: str) -> dict:
+  """What a checkpoint keeps of its HF source, so that the export can write it back."""
+  config = _read_json(os.path.join(directory, 'config.json'))
+  generation = os.path.join(directory, 'generation_config.json')
+  return {'path': os.path.abspath(directory), 'config': config,
+          'generation_config': _read_json(generation) if os.path.exists(generation) else None,
+          'vocab_size': config['vocab_size'], 'eos_token_id': config.get('eos_token_id'),
+          'pad_token_id': config.get('pad_token_id'), 'bos_token_id': config.get('bos_token_id'),
+          'dtype': config.get('dtype') or config.get('torch_dtype'),
+          'max_position_embeddings': config.get('max_position_embeddings'),
+          'files': [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]}
+
+
+def check_destination(directory: str, overwrite: bool) -> None:
+  """Refuses a --to that holds a checkpoint (unless overwrite) or that overwrite would harm."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise FileExistsError(f'{directory} is a file, not a checkpoint directory; choose another '
+                          '--to.')
+  steps = checkpoint.committed_steps(directory)
+  if steps and not overwrite:
+    raise FileExistsError(f'{directory} already holds a checkpoint (steps {steps}); converting '
+                          'into it would leave that one in place. Pass --overwrite to replace it '
+                          '(it is kept until the new one is complete), or choose another --to.')
+  foreign = steps and sorted(n for n in os.listdir(directory) if not _CHECKPOINT_ENTRY.match(n))
+  if foreign:
+    raise FileExistsError(f'{directory} holds {foreign[:5]} besides its checkpoints, and '
+                          '--overwrite replaces the whole directory; move them out, or choose '
+                          'another --to.')
+
+
+def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directory: str, *,
+                           hf_source: dict | None = None, overwrite: bool = False) -> None:
+  """Writes params as step_0 of a checkpoint directory (usable as train.init_from).
+
+  The checkpoint is built in a sibling directory and moved in whole, so a crash
+  leaves no partial one. A directory that already holds a checkpoint is
+  refused, or with `overwrite` exchanged for the new one in one rename.
+  `hf_source` (read_hf_source) goes into the metadata, its tokenizer files into
+  step_0/hf_files/.
+  """
+  check_destination(directory, overwrite)
+  directory = os.path.abspath(directory)
+  staging = os.path.join(os.path.dirname(directory),
+                         f'.{os.path.basename(directory)}.convert-{secrets.token_hex(4)}')
+  metadata = {'config': {'model': cfg.to_dict()}}
+  if hf_source is not None:
+    metadata['hf_source'] = hf_source
+  try:
+    with checkpoint.Checkpointer(staging) as ckpt:
+      ckpt.save(0, {'params': params}, metadata)
+    if hf_source and hf_source['files']:
+      _copy_files(hf_source['path'], hf_source['files'], os.path.join(staging, 'step_0', HF_FILES))
+    _install(staging, directory)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)  # after an exchange: the old checkpoint
+
+
+def _install(staging: str, directory: str) -> None:
+  """Moves the checkpoint built in `staging` to `directory`; `staging` then holds the old one."""
+  if not checkpoint.committed_steps(directory):  # nothing to replace: move step_0 in
+    os.makedirs(directory, exist_ok=True)
+    leftover = os.path.join(directory, 'step_0')
+    if os.path.isdir(leftover):  # a save that never committed
+      shutil.rmtree(leftover)
+    os.rename(os.path.join(staging, 'step_0'), leftover)
+    return
+  if _exchange(staging, directory):
+    return
+  logging.warning('%s cannot exchange directories atomically; replacing %s by two renames.',
+                  os.path.dirname(directory), directory)
+  aside = staging + '.old'
+  os.rename(directory, aside)
+  try:
+    os.rename(staging, directory)
+  except BaseException:
+    os.rename(aside, directory)
+    raise
+  os.rename(aside, staging)
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Swaps two directories atomically (Linux renameat2); False where the OS or filesystem can't."""
+  renameat2 = getattr(ctypes.CDLL(None, use_errno=True), 'renameat2', None)
+  if renameat2 is None:
+    return False
+  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  code = ctypes.get_errno()
+  if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    return False
+  raise OSError(code, os.strerror(code), b)
+
+
+# --- Export ------------------------------------------------------------------------
+
+
+def export_hf(ckpt_dir: str, out: str, *, step: int | None = None, dtype: str | None = None,
+              vocab_size: int | None = None, tokenizer: str | None = None) -> str:
+  """Writes a checkpoint as an HF directory with its config, generation config and tokenizer.
+
+  dtype defaults to the HF source's when the checkpoint has one, else float32;
+  vocab_size to the source's or the run's data config. Returns the dtype used.
+  """
+  step = checkpoint.latest_step(ckpt_dir) if step is None else step
+  params, full = load_checkpoint_params(ckpt_dir, step)
+  source = checkpoint.read_metadata(ckpt_dir, step).get('hf_source')
+  dtype = dtype or _source_dtype(source)
+  config = export_config(full, source, vocab_size=vocab_size, dtype=dtype)
+  save_hf(params, full.model, out, vocab_size=config['vocab_size'], dtype=dtype, config=config)
+  _write_json(os.path.join(out, 'generation_config.json'),
+              (source or {}).get('generation_config') or _generation_config(config))
+  if tokenizer is None and source and source['files']:
+    step_dir = os.path.join(ckpt_dir, f'step_{step}', HF_FILES)
+    _copy_files(step_dir, source['files'], out)
+  else:
+    tokenizer = tokenizer or _run_tokenizer(config['vocab_size'])
+    if tokenizer:
+      _write_tokenizer(tokenizer, config, out)
+    else:
+      logging.warning('No tokenizer written to %s: pass --tokenizer=PATH/tokenizer.json.', out)
+  return dtype
+
+
+def export_config(full: ml_collections.ConfigDict, source: dict | None, *,
+                  vocab_size: int | None = None, dtype: str = 'float32') -> dict:
+  """config.json for an export: the HF source's own, else built from the run's config."""
+  if source:  # checksummed with the weights it describes (checkpoint metadata)
+    config = dict(source['config'])
+  else:
+    data_cfg = full.get('data', {})
+    config = hf_config(full.model, data_cfg.get('vocab_size') or full.model.vocab_size,
+                       eos_token_id=data_cfg.get('eos_token_id'),
+                       pad_token_id=data_cfg.get('pad_token_id'))
+  config['vocab_size'] = vocab_size or config['vocab_size']
+  config['dtype'] = dtype
+  if 'torch_dtype' in config:  # transformers 4.x's name for it
+    config['torch_dtype'] = dtype
+  return config
+
+
+def _source_dtype(source: dict | None) -> str:
+  """The HF source's dtype where it is one we write, else float32 (never silently less)."""
+  dtype = (source or {}).get('dtype')
+  if dtype in DTYPES:
+    return dtype
+  if dtype:
+    logging.warning('The HF source was %s; exporting float32 (pass --dtype to choose).', dtype)
+  return 'float32'
+
+
+def _generation_config(config: dict) -> dict:
+  ids = {k: config.get(k) for k in ('bos_token_id', 'eos_token_id', 'pad_token_id')}
+  return {'_from_model_config': True, **{k: v for k, v in ids.items() if v is not None}}
+
+
+def _run_tokenizer(vocab_size: int) -> str | None:
+  """The embedded tokenizer when the run's vocabulary is its (the small configs)."""
+  if Tokenizer.from_file(EMBEDDED_TOKENIZER).get_vocab_size() == vocab_size:
+    return EMBEDDED_TOKENIZER
+  return None
+
+
+def _write_tokenizer(path: str, config: dict, out: str) -> None:
+  """tokenizer.json plus a tokenizer_config.json naming its special tokens by the config's ids."""
+  tok = Tokenizer.from_file(path)
+  special = {}
+  for name in ('bos', 'eos', 'pad'):
+    token_id = config.get(f'{name}_token_id')
+    token_id = token_id[0] if isinstance(token_id, list) else token_id
+    if token_id is None:
+      continue
+    special[f'{name}_token'] = tok.id_to_token(token_id)
+    if special[f'{name}_token'] is None:
+      raise ConversionError(f'{path} has no token {token_id} ({name}_token_id); it is not the '
+                            "run's tokenizer. Pass the right one with --tokenizer=PATH.")
+  shutil.copyfile(path, os.path.join(out, 'tokenizer.json'))
+  _write_json(os.path.join(out, 'tokenizer_config.json'), {
+      'tokenizer_class': 'PreTrainedTokenizerFast', **special,
+      'model_max_length': config['max_position_embeddings'],
+      'clean_up_tokenization_spaces': False})
+
+
+# --- Files ---------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConversionError(f'{path} is not valid JSON ({e}); restore the original file.') from e
+
+
+def _write_json(path: str, content: dict) -> None:
+  with open(path, 'w') as f:
+    json.dump(content, f, indent=2)
+    f.write('\n')
+
+
+def _copy_files(source: str, names: list[str], destination: str) -> None:
+  os.makedirs(destination, exist_ok=True)
+  for name in names:
+    if not os.path.isfile(os.path.join(source, name)):
+      raise FileNotFoundError(f'{source}/{name} is gone: it was listed when the checkpoint was '
+                              'made. Restore it, or pass --tokenizer=PATH.')
+    shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+
+
+# --- Command line --------------------------------------------------------------------
 
 
 def main(argv):
   del argv
-  if bool(FLAGS.from_hf) == bool(FLAGS.from_ckpt) or bool(FLAGS.to) == bool(FLAGS.to_hf):
+  from_hf = bool(FLAGS.from_hf) and bool(FLAGS.to) and not (FLAGS.from_ckpt or FLAGS.to_hf)
+  to_hf = bool(FLAGS.from_ckpt) and bool(FLAGS.to_hf) and not (FLAGS.from_hf or FLAGS.to)
+  if from_hf == to_hf:
     raise app.UsageError('Give --from_hf=DIR --to=CKPT_DIR, or --from_ckpt=CKPT_DIR --to_hf=DIR.')
-  if FLAGS.from_hf:
-    params, cfg = load_hf(FLAGS.from_hf)
-    save_checkpoint_params(params, cfg, FLAGS.to)
-    print(f'{FLAGS.from_hf} -> {FLAGS.to}/step_0 ({cfg.num_layers} layers, vocab {cfg.vocab_size})')
-    return
-  params, full = load_checkpoint_params(FLAGS.from_ckpt, FLAGS.step)
-  data_cfg = full.get('data', {})
-  save_hf(params, full.model, FLAGS.to_hf, dtype=FLAGS.dtype,
-          vocab_size=FLAGS.vocab_size or data_cfg.get('vocab_size'),
-          eos_token_id=data_cfg.get('eos_token_id'), pad_token_id=data_cfg.get('pad_token_id'))
-  print(f'{FLAGS.from_ckpt} -> {FLAGS.to_hf} ({FLAGS.dtype})')
+  try:
+    if from_hf:
+      check_destination(FLAGS.to, FLAGS.overwrite)  # before minutes of reading weights
+      params, cfg = load_hf(FLAGS.from_hf)
+      save_checkpoint_params(params, cfg, FLAGS.to, hf_source=read_hf_source(FLAGS.from_hf),
+                             overwrite=FLAGS.overwrite)
+      print(f'{FLAGS.from_hf} -> {FLAGS.to}/step_0 ({cfg.num_layers} layers, vocab '
+            f'{cfg.vocab_size})')
+    else:
+      dtype = export_hf(FLAGS.from_ckpt, FLAGS.to_hf, step=FLAGS.step, dtype=FLAGS.dtype,
+                        vocab_size=FLAGS.vocab_size, tokenizer=FLAGS.tokenizer)
+      print(f'{FLAGS.from_ckpt} -> {FLAGS.to_hf} ({dtype})')
+  except (ConversionError, FileNotFoundError, FileExistsError,
+          checkpoint.CorruptCheckpointError) as e:
+    raise SystemExit(f'convert.py: error: {e}') from e
 
 
 if __name__ == '__main__':
   flags.DEFINE_string('from_hf', None, 'HF Olmo 3 directory to read')
   flags.DEFINE_string('to', None, 'checkpoint directory to write (step_0, params only)')
+  flags.DEFINE_bool('overwrite', False, 'replace the checkpoint --to already holds (the whole '
+                    'directory, atomically)')
   flags.DEFINE_string('from_ckpt', None, 'our checkpoint directory to read')
   flags.DEFINE_integer('step', None, 'checkpoint step (default: latest)')
   flags.DEFINE_string('to_hf', None, 'HF directory to write')
-  flags.DEFINE_enum('dtype', 'bfloat16', ['float32', 'bfloat16'], 'HF weight dtype')
-  flags.DEFINE_integer('vocab_size', None, 'HF vocab rows (default: the config data.vocab_size)')
+  flags.DEFINE_enum('dtype', None, sorted(DTYPES), 'HF weight dtype (default: the HF '
+                    "source's when the checkpoint came from HF, else float32)")
+  flags.DEFINE_integer('vocab_size', None, "HF vocab rows (default: the HF source's, else the "
+                       'config data.vocab_size)')
+  flags.DEFINE_string('tokenizer', None, "tokenizer.json to export (default: the HF source's "
+                      "tokenizer files, else data/tokenizer.json when its vocabulary is the run's)")
   FLAGS = flags.FLAGS
   app.run(main)

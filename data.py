@@ -31,14 +31,21 @@ import threading
 import uuid
 from typing import Any, Iterator, NamedTuple, Sequence
 
+from absl import logging
 import jax
 import numpy as np
+import xxhash
 
 IGNORE_INDEX = -100  # OLMo-core get_labels: label_ignore_index
 FINGERPRINT_VERSION = 'v2.0'  # OLMo-core NumpyDatasetBase.fingerprint_version
 _TOKEN_DTYPE = np.dtype('<u4')  # OLMo-core NumpyDatasetDType.uint32, little-endian on disk
 _NPY_MAGIC = b'\x93NUMPY'  # as a uint32 token this is 1.3e9, far above any vocab
 _MAX_OPEN_MAPS = 128  # each map holds a file descriptor; 951 stage-1 files exceed ulimit 1024
+_SAMPLE_HEAD = 1 << 16  # tokens check_sample reads from the start of each file,
+_SAMPLE_CHUNKS, _SAMPLE_CHUNK = 4, 1 << 12  # and chunks of tokens spread over the rest
+_INT64_EVIDENCE = 16  # nonzero low words before a file with zero high words is called int64
+_STRAY_IDS_TOLERATED = 1  # out-of-vocabulary ids in a sample left for Dataset.read to report
+_CHECKSUM_SUFFIX = '.xxh3'  # beside each cached permutation: its xxh3-64 hex digest
 
 
 # ----------------------------------------------------------------------------
@@ -103,8 +110,20 @@ class TokenFile:
   label: str = ''
 
 
-def inspect_file(path: str, label: str = '', listed_size: int | None = None) -> TokenFile:
-  """Stats and validates one token file (raw uint32, or a true .npy of uint32)."""
+def inspect_file(path: str, label: str = '', listed_size: int | None = None,
+                 vocab_size: int | None = None) -> TokenFile:
+  """Stats and validates one token file (raw uint32, or a true .npy of uint32).
+
+  Beyond its size and header, a bounded sample of its tokens must look like
+  uint32 ids (and, given `vocab_size`, lie in the vocabulary): see check_sample.
+  """
+  file = _layout(path, label, listed_size)
+  check_sample(file, vocab_size)
+  return file
+
+
+def _layout(path: str, label: str, listed_size: int | None) -> TokenFile:
+  """The file's size, header and token count, from its stat and .npy header."""
   if '://' in path:
     raise FileNotFoundError(f'{path}: remote paths are not read directly; mirror the files locally '
                             "and map the prefix with cfg.data.path_remap ('s3://bucket/=/local/').")
@@ -132,11 +151,75 @@ def inspect_file(path: str, label: str = '', listed_size: int | None = None) -> 
     return TokenFile(path, size, 0, size // _TOKEN_DTYPE.itemsize, label)
   if dtype != _TOKEN_DTYPE or len(shape) != 1:
     raise ValueError(f'{path}: .npy holds {dtype} of shape {shape}; expected 1-D little-endian '
-                     'uint32 tokens.')
+                     'uint32 tokens. Re-tokenize with scripts/prepare_data.py, or save the ids '
+                     'with np.save(path, ids.astype(np.uint32)).')
   if size - header != shape[0] * _TOKEN_DTYPE.itemsize:
     raise ValueError(f'{path}: .npy header says {shape[0]} tokens but the file holds '
                      f'{(size - header) // 4}; the file is truncated.')
   return TokenFile(path, size, header, shape[0], label)
+
+
+def check_sample(file: TokenFile, vocab_size: int | None = None) -> None:
+  """Refuses a file whose sampled tokens are not plausible uint32 ids.
+
+  An int64 file read as uint32 has a zero in every second word (ids < 2^32,
+  little-endian); real text never does once a few dozen ids are nonzero, so
+  a tiny file is judged too. Other misreadings (uint16, big-endian, another
+  tokenizer) put ids past the vocabulary everywhere. One stray id is left to
+  Dataset.read, which names it if its instance is ever read.
+  """
+  chunks = _sample(file)
+  tokens = np.concatenate([c for _, c in chunks])
+  words = tokens[:tokens.size // 2 * 2].reshape(-1, 2)  # chunks start at even offsets
+  if np.count_nonzero(words[:, 0]) >= _INT64_EVIDENCE and not words[:, 1].any():
+    raise ValueError(f'{file.path}: every second 32-bit word of the {tokens.size} sampled tokens '
+                     'is 0: this looks like int64 little-endian ids, not uint32 tokens. '
+                     'Re-tokenize to uint32 with scripts/prepare_data.py, or convert it with '
+                     'np.fromfile(path, np.int64).astype(np.uint32).tofile(new_path).')
+  if vocab_size is None:
+    return
+  stray = [(start + i, int(c[i])) for start, c in chunks for i in np.flatnonzero(c >= vocab_size)]
+  if len(stray) > _STRAY_IDS_TOLERATED:
+    (offset, token), hint = stray[0], _misreading(tokens, vocab_size)
+    raise _vocab_error(file.path, token, offset, vocab_size,
+                       f'so are {len(stray) - 1} more of the {tokens.size} tokens sampled: {hint}')
+
+
+def _sample(file: TokenFile) -> list[tuple[int, np.ndarray]]:
+  """(token offset, tokens) of the file's head and of a few chunks spread over the rest.
+
+  A bounded read (~320 KiB): stage 1 has ~950 files of several GB each. Offsets
+  and lengths are even, so 32-bit words pair up as an int64 file's would.
+  """
+  with open(file.path, 'rb') as f:
+
+    def read(start: int, count: int) -> tuple[int, np.ndarray]:
+      f.seek(file.header + _TOKEN_DTYPE.itemsize * start)
+      return start, np.fromfile(f, _TOKEN_DTYPE, count)
+
+    if file.num_tokens <= _SAMPLE_HEAD + _SAMPLE_CHUNKS * _SAMPLE_CHUNK:
+      return [read(0, file.num_tokens)]
+    stride = (file.num_tokens - _SAMPLE_HEAD) // _SAMPLE_CHUNKS // 2 * 2  # >= _SAMPLE_CHUNK
+    return [read(0, _SAMPLE_HEAD)] + [read(_SAMPLE_HEAD + k * stride, _SAMPLE_CHUNK)
+                                      for k in range(_SAMPLE_CHUNKS)]
+
+
+def _misreading(tokens: np.ndarray, vocab_size: int) -> str:
+  """What out-of-vocabulary uint32 tokens most likely are, read another way."""
+  swapped = tokens.byteswap()
+  if not tokens[::2].any() and (swapped < vocab_size).all():
+    return 'they look like int64 big-endian ids'
+  if (swapped < vocab_size).all():
+    return 'they look like big-endian uint32 ids'
+  if (tokens.view('<u2') < vocab_size).all():
+    return 'they look like uint16 ids'
+  return 'the file was made with another tokenizer (a larger vocabulary) or is corrupt'
+
+
+def _vocab_error(path: str, token: int, offset: int, vocab_size: int, why: str) -> ValueError:
+  return ValueError(f'{path}: token id {token} at token offset {offset} is >= vocab_size '
+                    f'{vocab_size}; {why}. Check cfg.data.vocab_size, or re-tokenize to uint32 '
+                    'with scripts/prepare_data.py.')
 
 
 # ----------------------------------------------------------------------------
@@ -163,7 +246,8 @@ class Dataset:
                        'use None or seq_len.')
     labels = labels or [''] * len(paths)
     listed_sizes = listed_sizes or [None] * len(paths)
-    self.files = tuple(inspect_file(p, l, s) for p, l, s in zip(paths, labels, listed_sizes))
+    self.files = tuple(inspect_file(p, l, s, vocab_size)
+                       for p, l, s in zip(paths, labels, listed_sizes))
     self.seq_len = seq_len
     self.vocab_size = vocab_size
     self.eos_token_id = eos_token_id
@@ -270,10 +354,8 @@ class Dataset:
       raw_nT[k] = self._map(int(file_of[k]))[1][start_n[k]:start_n[k] + T]
     if raw_nT.size and raw_nT.max() >= self.vocab_size:
       k, t = np.argwhere(raw_nT >= self.vocab_size)[0]
-      raise ValueError(f'{self.files[file_of[k]].path}: token id {raw_nT[k, t]} at token offset '
-                       f'{start_n[k] + t} is >= vocab_size {self.vocab_size}; the file was made '
-                       'with another tokenizer or is corrupt (check cfg.data.vocab_size or re-run '
-                       'scripts/prepare_data.py).')
+      raise _vocab_error(self.files[file_of[k]].path, raw_nT[k, t], start_n[k] + t,
+                         self.vocab_size, 'the file was made with another tokenizer or is corrupt')
     return tokens_nT
 
   def check_tokens(self, chunk_tokens: int = 1 << 24) -> None:
@@ -286,8 +368,8 @@ class Dataset:
         chunk = mm[start:start + chunk_tokens]
         if chunk.size and chunk.max() >= self.vocab_size:
           t = int(np.argmax(chunk >= self.vocab_size))
-          raise ValueError(f'{file.path}: token id {chunk[t]} at token offset {start + t} is '
-                           f'>= vocab_size {self.vocab_size}.')
+          raise _vocab_error(file.path, chunk[t], start + t, self.vocab_size,
+                             'the file was made with another tokenizer or is corrupt')
 
 
 # ----------------------------------------------------------------------------
@@ -308,30 +390,69 @@ def permutation(num_instances: int, seed: int, epoch: int,
   OLMo-core NumpyFSLDataLoader._build_global_indices: PCG64(seed + epoch)
   shuffles arange(N, uint32). The first call builds it in RAM (4N bytes: 2.7 GiB
   for stage 1) and writes it under OLMo-core's file name, renaming it into place
-  when complete (concurrent builders write identical files); every later call,
-  in any process, memory maps the file read-only. Shuffling the memory-mapped
-  file in place gives the same order but took about twice the CPU time (BUILD.md).
-  With cache_dir=None the order is kept in memory (small datasets, tests).
+  when complete (concurrent builders write identical files), with its xxh3-64
+  checksum in a sidecar `<file>.xxh3` (the cache file stays byte-identical to
+  OLMo-core's). Every later call, in any process, verifies the checksum (one
+  read of the file; hashing runs at ~30 GB/s) and memory maps the file
+  read-only; a damaged or unverifiable file is rebuilt with a warning.
+  Shuffling the memory-mapped file in place gives the same order but took
+  about twice the CPU time (BUILD.md). With cache_dir=None the order is kept
+  in memory (small datasets, tests).
   """
   if epoch < 1:
     raise ValueError(f'epochs count from 1 (OLMo-core reshuffle); got epoch={epoch}.')
   path = cache_dir and os.path.join(cache_dir, _indices_file_name(num_instances, seed, epoch))
-  if path and os.path.isfile(path) and os.path.getsize(path) == 4 * num_instances:
-    return np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
+  if path and os.path.exists(path):
+    cached = _verified_cache(path, num_instances)
+    if cached is not None:
+      return cached
   order = np.arange(num_instances, dtype=np.uint32)
   np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(order)
   if not path:
     return order
   os.makedirs(cache_dir, exist_ok=True)
+  _write_atomic(path, order)  # the order first: a reader never pairs a new sum with an old file
+  _write_atomic(path + _CHECKSUM_SUFFIX, _checksum(order).encode())
+  del order
+  return np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
+
+
+def _checksum(order: np.ndarray) -> str:
+  return xxhash.xxh3_64_hexdigest(order)
+
+
+def _verified_cache(path: str, num_instances: int) -> np.ndarray | None:
+  """The cached order, memory mapped, if its size and checksum hold; else None, with a warning."""
+  size = os.path.getsize(path)
+  if size != 4 * num_instances:
+    problem = f'it is {size} bytes, not the {4 * num_instances} of {num_instances} uint32 ids'
+  else:
+    order = np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
+    try:
+      with open(path + _CHECKSUM_SUFFIX) as f:
+        expected = f.read().strip()
+    except FileNotFoundError:
+      expected = None
+    if expected is None:
+      problem = f'it has no checksum file {path + _CHECKSUM_SUFFIX} to verify it by'
+    elif expected != _checksum(order):
+      problem = f'its contents fail the checksum in {path}{_CHECKSUM_SUFFIX}'
+    else:
+      return order
+  logging.warning('Permutation cache %s is unusable (%s); rebuilding it.', path, problem)
+  return None
+
+
+def _write_atomic(path: str, content: bytes | np.ndarray) -> None:
+  """Writes `content` (an array's bytes, uncopied) to a temporary file, then renames it."""
   tmp = f'{path}.{uuid.uuid4().hex}.tmp'
   try:
-    order.tofile(tmp)
+    with open(tmp, 'wb') as f:
+      f.write(content)
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
-  del order
-  return np.memmap(path, dtype=np.uint32, mode='r', shape=(num_instances,))
 
 
 def batches_per_epoch(ds: Dataset, global_batch_size: int) -> int:
@@ -554,6 +675,43 @@ def check_resume(state: dict[str, Any], ds: Dataset, allow_changed: bool = False
     raise ValueError(message)
 
 
+_STATE_FIELDS = ('seed', 'epoch', 'step', 'global_batch_size')  # what a resume reads
+
+
+def check_state_fields(state: Any) -> None:
+  """Refuses a saved loader state that is not a dict with integer position fields."""
+  fields = state if isinstance(state, dict) else {}
+  bad = {k: fields.get(k) for k in _STATE_FIELDS
+         if isinstance(fields.get(k), bool) or not isinstance(fields.get(k), (int, np.integer))}
+  if bad:
+    raise ValueError(f"the checkpoint's data state {state!r:.200} has no integer "
+                     f"{', '.join(bad)}; its metadata was altered or was not "
+                     'written by train.py. Restore the original metadata.json, or move that '
+                     'step_N directory aside to resume from an earlier checkpoint.')
+
+
+def check_position(state: dict[str, Any], ds: Dataset, steps_done: int, *,
+                   allow_changed: bool = False) -> None:
+  """Refuses a loader state that is not where `steps_done` optimizer steps lead.
+
+  Each step takes one global batch and epochs have batches_per_epoch batches,
+  so after k steps the loader is at epoch 1 + k // n, step k % n, whatever the
+  device count. With allow_changed the data, and so n, may have changed at an
+  earlier resume; past epoch 1 only `step < steps_done` is then certain.
+  """
+  n = batches_per_epoch(ds, state['global_batch_size'])
+  epoch, step = state['epoch'], state['step']
+  batches = (epoch - 1) * n + step
+  if batches == steps_done or (allow_changed and epoch > 1 and step < steps_done):
+    return
+  raise ValueError(f"the checkpoint's data state is at epoch {epoch}, step {step} ({batches} "
+                   f'global batches of {state["global_batch_size"]} at {n} per epoch), but the '
+                   f'checkpoint records {steps_done} optimizer steps, one batch each; its '
+                   'metadata was altered or its data state belongs to another run. Restore the '
+                   'original metadata.json, or move that step_N directory aside to resume from '
+                   'an earlier checkpoint.')
+
+
 class Loader:
   """Iterator over global batches for (epoch, step), (epoch, step + 1), ...
 
@@ -591,16 +749,25 @@ class Loader:
 
   @classmethod
   def from_config(cls, cfg_data: Any, ds: Dataset, *, state: dict[str, Any] | None = None,
-                  cache_dir: str | None = None, sharding=None) -> 'Loader':
-    """A loader for cfg.data, resuming from a saved `state` when given."""
+                  step: int | None = None, cache_dir: str | None = None,
+                  sharding=None) -> 'Loader':
+    """A loader for cfg.data, resuming from a saved `state` when given.
+
+    `step` is the number of optimizer steps the checkpoint holding `state` had
+    done; the state's position must be where that many global batches lead.
+    """
     start = dict(epoch=1, step=0, seed=cfg_data.seed)
     if state is not None:
-      check_resume(state, ds, allow_changed=cfg_data.get('allow_data_change', False))
+      allow_changed = cfg_data.get('allow_data_change', False)
+      check_state_fields(state)
+      check_resume(state, ds, allow_changed=allow_changed)
       if state['global_batch_size'] != cfg_data.global_batch_size:
         raise ValueError(f'the checkpoint was trained with global batch '
                          f'{state["global_batch_size"]}, cfg.data.global_batch_size is '
                          f'{cfg_data.global_batch_size}; steps would index different batches. '
                          'Keep the batch size when resuming.')
+      if step is not None:
+        check_position(state, ds, step, allow_changed=allow_changed)
       start = dict(epoch=state['epoch'], step=state['step'], seed=state['seed'])
     return cls(ds, global_batch_size=cfg_data.global_batch_size, cache_dir=cache_dir,
                sharding=sharding, document_masking=cfg_data.document_masking,

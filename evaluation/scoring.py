@@ -79,9 +79,13 @@ def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
     step = checkpoint.latest_step(path) if step is None else step
     params, meta = _restore_params(path, step)
     full = ml_collections.ConfigDict(meta['config'])
-    d = full.data
-    lm = LoadedModel(params, full.model, d.vocab_size, d.eos_token_id, d.seq_len, path,
-                     step=step, data_cfg=d, tokenizer_path=_default_tokenizer(path, d.vocab_size))
+    if 'data' in full:  # written by train.py
+      d = full.data
+      lm = LoadedModel(params, full.model, d.vocab_size, d.eos_token_id, d.seq_len, path,
+                       step=step, data_cfg=d,
+                       tokenizer_path=_default_tokenizer(path, d.vocab_size))
+    else:  # written by convert.py --from_hf: its HF source says what the run's data would
+      lm = _from_hf_source(params, full.model, meta, path, step)
   else:
     raise FileNotFoundError(f'{path} is neither an HF model directory (config.json) nor a '
                             'checkpoint directory with committed step_N/ checkpoints.')
@@ -92,6 +96,24 @@ def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
   lm.max_length = max_length or lm.max_length
   lm.params = jax.device_put(jax.tree.map(np.asarray, lm.params))
   return lm
+
+
+def _from_hf_source(params: model.Params, cfg: ml_collections.ConfigDict, meta: dict,
+                    path: str, step: int) -> LoadedModel:
+  """A convert.py checkpoint: vocab, EOS and context length from its recorded HF source."""
+  source = meta.get('hf_source')
+  eos = source and source['eos_token_id']
+  eos = eos[0] if isinstance(eos, list) else eos
+  if eos is None:
+    raise ValueError(f'{path}: the checkpoint has neither a data config (train.py) nor an HF '
+                     'source with eos_token_id (convert.py --from_hf); evaluate the HF '
+                     'directory it came from instead, or convert it again.')
+  files = os.path.join(path, f'step_{step}', convert.HF_FILES)
+  tok = os.path.join(files, 'tokenizer.json')
+  return LoadedModel(params, cfg, source['vocab_size'], eos,
+                     source['max_position_embeddings'] or 2048, path, step=step,
+                     tokenizer_path=tok if os.path.exists(tok)
+                     else _default_tokenizer(path, source['vocab_size']))
 
 
 def _restore_params(directory: str, step: int) -> tuple[model.Params, dict]:

@@ -6,16 +6,22 @@ Shapes: W_RC is a [rows, cols] matrix, v_N a vector. Runs on the 8 simulated
 CPU devices set up by tests/conftest.py.
 """
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
+import pwd
+import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import typing
 
 import jax
@@ -118,7 +124,8 @@ def _save(directory, steps, **kwargs) -> None:
   mesh8 = _mesh((8,), ('fsdp',))
   with checkpoint.Checkpointer(str(directory), **(FAST | kwargs)) as ckpt:
     for step in steps:
-      ckpt.save(step, _state(_reference(step), mesh8), {'data': {'epoch': 0}})
+      ckpt.save(step, _state(_reference(step), mesh8),
+                {'data': {'epoch': 0, 'position': 4096 * step}})
 
 
 def _replicated_on(n):
@@ -283,7 +290,10 @@ def test_corruption_is_detected_and_falls_back(tmp_path, caplog, damage):
 
 def test_incomplete_and_partial_dirs_are_ignored_then_removed(tmp_path):
   _save(tmp_path, [1, 2])
-  (tmp_path / 'step_2' / checkpoint.COMMIT).unlink()  # crash between rename and marker
+  # A step that never got its marker and lost a chunk: a genuinely partial save
+  # (an intact one is re-committed: test_lost_commit_on_an_intact_step_is_recommitted).
+  (tmp_path / 'step_2' / checkpoint.COMMIT).unlink()
+  _chunk_file(tmp_path, 2).unlink()
   (tmp_path / 'tmp.step_3.dead').mkdir()  # crash mid-write
   (tmp_path / 'tmp.step_3.dead' / 'junk').write_bytes(b'x')
   assert checkpoint.committed_steps(str(tmp_path)) == [1]
@@ -395,6 +405,245 @@ def test_ocdbt_round_trip_and_reshard(tmp_path):
   state, meta = checkpoint.restore(str(tmp_path), _target(_reference(2), sharding_of))
   assert meta['step'] == 2
   _check_restored(state, _reference(2))
+
+
+def _as_saved_before_checksums(step_dir: pathlib.Path) -> None:
+  """Rewrites a step's metadata.json as this module wrote it before the checksum and flag."""
+  meta = step_dir / checkpoint.METADATA
+  info = json.loads(meta.read_text())
+  del info['healthy'], info['metadata_checksum']
+  meta.write_text(json.dumps(info))
+
+
+def test_retention_keeps_the_newest_healthy_step(tmp_path):
+  """Unhealthy saves never evict the last healthy one; a newer healthy one releases it."""
+  x = lambda step: {'x': jnp.full((2,), step)}
+  with checkpoint.Checkpointer(str(tmp_path), keep_last=2, **FAST) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, x(step))
+    for step in (3, 4, 5):
+      ckpt.save(step, x(step), healthy=False)
+    ckpt.wait()
+    assert ckpt.committed_steps() == [2, 4, 5]
+    assert ckpt.latest_healthy_step() == checkpoint.latest_healthy_step(str(tmp_path)) == 2
+    ckpt.save(6, x(6))
+    ckpt.save(7, x(7), healthy=False)
+    ckpt.wait()
+    assert ckpt.committed_steps() == [6, 7] and ckpt.latest_healthy_step() == 6
+    with pytest.raises(TypeError, match="healthy='yes': must be a bool"):
+      ckpt.save(8, x(8), healthy='yes')
+    with pytest.raises(ValueError, match='step=-1: must be an integer >= 0'):
+      ckpt.save(-1, x(8))
+  assert json.loads((tmp_path / 'step_7' / checkpoint.METADATA).read_text())['healthy'] is False
+  _as_saved_before_checksums(tmp_path / 'step_7')  # no flag: counts as healthy
+  assert checkpoint.latest_healthy_step(str(tmp_path)) == 7
+  state, meta = checkpoint.restore(str(tmp_path), {'x': np.zeros(2, np.int32)})
+  assert meta['step'] == 7 and state['x'].tolist() == [7, 7]
+  assert checkpoint.latest_healthy_step(str(tmp_path / 'none')) is None
+
+
+def test_poll_raises_a_failed_background_save_at_once(tmp_path, monkeypatch):
+  gate = threading.Event()
+
+  def failing_write(*args):
+    gate.wait()
+    raise OSError(28, 'No space left on device (injected)')
+
+  monkeypatch.setattr(checkpoint, '_write_local', failing_write)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
+  ckpt.save(7, {'x': jnp.ones(3)})
+  safety = threading.Timer(30, gate.set)  # a blocking poll() fails below, not hangs
+  safety.start()
+  start = time.monotonic()
+  ckpt.poll()  # in flight: returns at once
+  assert time.monotonic() - start < 10
+  gate.set()
+  deadline = time.monotonic() + 60
+  with pytest.raises(checkpoint.CheckpointSaveError,
+                     match=rf'step 7 in {re.escape(str(tmp_path))} failed.*No space left'
+                     ) as raised:
+    while time.monotonic() < deadline:
+      ckpt.poll()
+      time.sleep(0.01)
+  safety.cancel()
+  assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == 28
+  ckpt.poll()  # reported once
+  ckpt.close()
+  assert checkpoint.committed_steps(str(tmp_path)) == []
+  assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def shared_dir():
+  """A directory another user can reach (pytest's tmp_path is private to root)."""
+  path = pathlib.Path(tempfile.mkdtemp(prefix='checkpoint_test_'))
+  path.chmod(0o777)
+  yield path
+  shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def _unreadable(path: pathlib.Path):
+  """A real EACCES on `path`: chmod 000, and as root (which reads it anyway) run as nobody.
+
+  seteuid changes every thread's credentials (glibc), so tensorstore's own I/O
+  threads get the kernel's real permission error, as on a cluster mount.
+  """
+  mode = path.stat().st_mode
+  path.chmod(0)
+  root = os.geteuid() == 0
+  try:
+    if root:
+      os.seteuid(pwd.getpwnam('nobody').pw_uid)
+    yield
+  finally:
+    if root:
+      os.seteuid(0)
+    path.chmod(mode)
+
+
+@pytest.mark.parametrize('file', ['chunk', 'zarr.json', 'metadata.json'])
+def test_unreadable_files_raise_and_rename_nothing(shared_dir, file):
+  _save(shared_dir, [1, 2])
+  path = {'chunk': _chunk_file(shared_dir, 2),
+          'zarr.json': shared_dir / 'step_2/arrays/params/dense/W_RC/zarr.json',
+          'metadata.json': shared_dir / 'step_2' / checkpoint.METADATA}[file]
+  target = _target(_reference(0), _replicated_on(2))
+  with _unreadable(path):
+    with pytest.raises(checkpoint.CheckpointReadError,
+                       match=rf'(?s)Cannot read {re.escape(str(path))}.*Permission denied.*'
+                       'Check the permissions') as raised:
+      checkpoint.restore_latest_good(str(shared_dir), target)
+  if file != 'metadata.json':  # tensorstore's own report of EACCES
+    assert 'PERMISSION_DENIED' in str(raised.value)
+  assert sorted(p.name for p in shared_dir.iterdir()) == ['step_1', 'step_2']
+  state, meta = checkpoint.restore_latest_good(str(shared_dir), target)  # access fixed
+  assert meta['step'] == 2
+  _check_restored(state, _reference(2))
+
+
+@pytest.mark.parametrize('message, is_io', [
+    ('PERMISSION_DENIED: Error reading local file "/c/0/0": Failed to open: "/c/0/0": '
+     "Permission denied [os_error_code='13']", True),
+    ('FAILED_PRECONDITION: Error reading local file "/c/0/0": Failed to read: '
+     "Input/output error [os_error_code='5']", True),  # EIO: tensorstore's default code
+    ('FAILED_PRECONDITION: Error reading "/c/0/0" [OS error: Input/output error]', True),
+    ('UNAVAILABLE: Error reading gs://bucket/c/0/0', True),
+    ('FAILED_PRECONDITION: Error reading local file "/c/0/0": Not enough data: expected '
+     'at least 256 or 249 more; at byte 7', False),  # truncated
+    ('NOT_FOUND: chunk {0, 0} stored at local file "/c/0/0" is missing', False),
+    ('DATA_LOSS: Error opening "zarr3" driver: Error reading local file "/zarr.json": '
+     'Invalid JSON', False),
+])
+def test_tensorstore_errors_are_sorted_into_io_and_damage(message, is_io):
+  """The first message is tensorstore's for a real EACCES (as observed); the EIO ones follow
+  its errno -> code mapping (EIO -> FAILED_PRECONDITION) in both of its message styles."""
+  assert checkpoint._is_io_error(message) is is_io
+
+
+def test_lost_commit_on_an_intact_step_is_recommitted(shared_dir, caplog):
+  _save(shared_dir, [1, 2])
+  (shared_dir / 'step_2' / checkpoint.COMMIT).unlink()
+  with _unreadable(_chunk_file(shared_dir, 2)):  # cannot verify: keep it, say why
+    with pytest.raises(checkpoint.CheckpointReadError, match='c/1/0.*Permission denied'):
+      checkpoint.Checkpointer(str(shared_dir), **FAST)
+  assert sorted(p.name for p in shared_dir.iterdir()) == ['step_1', 'step_2']
+  with caplog.at_level(logging.WARNING):
+    ckpt = checkpoint.Checkpointer(str(shared_dir), **FAST)
+  assert ckpt.committed_steps() == [1, 2]
+  assert any('step_2 has no COMMIT' in r.getMessage() and 're-committing' in r.getMessage()
+             for r in caplog.records)
+  state, meta = ckpt.restore_latest_good(_target(_reference(2), _replicated_on(2)))
+  assert meta['step'] == 2
+  _check_restored(state, _reference(2))
+  ckpt.close()
+
+
+def _tamper(directory: pathlib.Path, damage: str) -> None:
+  step_dir = directory / 'step_2'
+  if damage == 'zarr.json shape':
+    zarr = step_dir / 'arrays/params/dense/W_RC/zarr.json'
+    meta = json.loads(zarr.read_text())
+    meta['shape'] = [16, 14]
+    zarr.write_text(json.dumps(meta))
+    return
+  old, new = {'data position': ('"position": 8192', '"position": 8193'),
+              'metadata.json shape': ('"shape": [16, 12]', '"shape": [16, 13]')}[damage]
+  meta = step_dir / checkpoint.METADATA
+  assert meta.read_text().count(old) == 1
+  meta.write_text(meta.read_text().replace(old, new))
+
+
+@pytest.mark.parametrize('damage, named', [
+    ('data position', 'metadata.json fails its xxh3_64 checksum'),
+    ('metadata.json shape', 'metadata.json fails its xxh3_64 checksum'),
+    ('zarr.json shape', r"params/dense/W_RC's zarr.json says .*\(16, 14\).*metadata.json "
+                        r'declares .*\(16, 12\)'),
+])
+def test_tampered_metadata_is_corruption(tmp_path, caplog, damage, named):
+  _save(tmp_path, [1, 2])
+  _tamper(tmp_path, damage)
+  target = _target(_reference(0), _replicated_on(2))
+  with pytest.raises(checkpoint.CorruptCheckpointError, match=named):
+    checkpoint.restore(str(tmp_path), target, step=2)
+  with caplog.at_level(logging.WARNING):
+    state, meta = checkpoint.restore_latest_good(str(tmp_path), target)
+  assert meta == {'data': {'epoch': 0, 'position': 4096}, 'step': 1}
+  _check_restored(state, _reference(1))
+  assert any('step 2' in r.getMessage() and 'corrupt' in r.getMessage() for r in caplog.records)
+  alone = tmp_path / 'alone'  # with no intact one to fall back to: a clear error
+  _save(alone, [2])
+  _tamper(alone, damage)
+  with pytest.raises(checkpoint.CorruptCheckpointError,
+                     match=f'No intact checkpoint.*{named}.*Put an intact copy back'):
+    checkpoint.restore_latest_good(str(alone), target)
+
+
+_LOCK_HOLDER = r"""
+import sys, time
+import checkpoint
+with checkpoint.WorkdirLock(sys.argv[1]):
+  print('held', flush=True)
+  time.sleep(600)
+"""
+
+
+def test_workdir_lock_excludes_a_second_run_and_takes_over_a_dead_ones(tmp_path, caplog):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  holder = subprocess.Popen([sys.executable, '-c', _LOCK_HOLDER, str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == 'held\n'
+    with pytest.raises(checkpoint.WorkdirLockedError,
+                       match=rf'in use by another training run \(host '
+                       rf'{re.escape(socket.gethostname())}, PID {holder.pid},.*another '
+                       '--workdir'):
+      with checkpoint.WorkdirLock(str(tmp_path)):
+        pass
+  finally:
+    holder.kill()  # SIGKILL: no clean-up runs, LOCK keeps naming the dead holder
+    holder.wait()
+  assert json.loads((tmp_path / checkpoint.LOCK).read_text())['pid'] == holder.pid
+  with caplog.at_level(logging.WARNING):
+    with checkpoint.WorkdirLock(str(tmp_path)):
+      assert json.loads((tmp_path / checkpoint.LOCK).read_text())['pid'] == os.getpid()
+      with pytest.raises(checkpoint.WorkdirLockedError, match=f'PID {os.getpid()}'):
+        with checkpoint.WorkdirLock(str(tmp_path)):  # flock: one holder per open file
+          pass
+  assert [r.getMessage() for r in caplog.records if 'stale' in r.getMessage()
+          and f'PID {holder.pid}' in r.getMessage()]
+  caplog.clear()
+  with pytest.raises(KeyError):  # an exception inside releases it
+    with checkpoint.WorkdirLock(str(tmp_path)):
+      raise KeyError('boom')
+  with caplog.at_level(logging.WARNING):
+    with checkpoint.WorkdirLock(str(tmp_path)):
+      pass
+  assert not caplog.records  # a clean release leaves no stale holder behind
+  (tmp_path / 'other' / checkpoint.LOCK).mkdir(parents=True)
+  with pytest.raises(OSError, match='Cannot open the workdir lock .*LOCK a regular file'):
+    with checkpoint.WorkdirLock(str(tmp_path / 'other')):
+      pass
 
 
 _WORKER = r'''

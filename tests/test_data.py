@@ -121,7 +121,41 @@ def test_permutation_is_cached_and_memory_mapped(tmp_path):
   again = data.permutation(1000, 3, 1, str(tmp_path))
   assert path.stat().st_mtime_ns == stamp  # reused, not rebuilt
   np.testing.assert_array_equal(np.sort(again), np.arange(1000))
-  assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+  # No temporary left behind: the order and its checksum only.
+  assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + '.xxh3']
+
+
+def _damage(path, how):
+  order = np.fromfile(path, np.uint32)
+  if how == 'swap':  # a valid permutation, in another order
+    order[[3, 700]] = order[[700, 3]]
+  elif how == 'flip':  # an id far past N
+    order.view(np.uint8)[4 * 10 + 3] ^= 0x40
+  elif how == 'truncate':
+    order = order[:-1]
+  order.tofile(path)
+
+
+@pytest.mark.parametrize('how', ['swap', 'flip', 'truncate', 'no_checksum'])
+def test_damaged_permutation_cache_is_rebuilt_with_a_warning(tmp_path, caplog, how):
+  right = data.permutation(1000, 3, 1)  # in memory, never cached on disk
+  data.permutation.cache_clear()
+  data.permutation(1000, 3, 1, str(tmp_path))
+  path = tmp_path / data._indices_file_name(1000, 3, 1)
+  if how == 'no_checksum':
+    os.remove(f'{path}.xxh3')
+  else:
+    _damage(path, how)
+  data.permutation.cache_clear()
+  with caplog.at_level('WARNING'):
+    again = data.permutation(1000, 3, 1, str(tmp_path))
+  np.testing.assert_array_equal(again, right)
+  assert f'Permutation cache {path} is unusable' in caplog.text
+  np.testing.assert_array_equal(np.fromfile(path, np.uint32), right)  # repaired on disk
+  data.permutation.cache_clear()
+  caplog.clear()
+  np.testing.assert_array_equal(data.permutation(1000, 3, 1, str(tmp_path)), right)
+  assert 'unusable' not in caplog.text  # the repaired file verifies
 
 
 @pytest.mark.parametrize('world', [1, 2, 8])
@@ -255,6 +289,68 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def _loader_cfg(B, seed=3, **kw):
+  return ml_collections.ConfigDict(dict(seed=seed, global_batch_size=B, document_masking=False,
+                                        repetition_filter=False, prefetch=2, **kw))
+
+
+def _sharding(world):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:world]), ('data',))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data', None))
+
+
+def test_resume_position_must_match_the_steps_done(tmp_path):
+  T, B, k = 16, 8, 17
+  paths = write_files(tmp_path, [1200, 700])
+  ds = make_ds(paths, T)
+  n = data.batches_per_epoch(ds, B)
+  assert n < k < 2 * n  # the checkpoint is in epoch 2
+  cfg, cache = _loader_cfg(B), str(tmp_path / 'cache')
+  with data.Loader.from_config(cfg, ds, cache_dir=cache, sharding=_sharding(8)) as loader:
+    straight = [np.asarray(next(loader)['tokens']) for _ in range(k + 2)]
+  with data.Loader.from_config(cfg, ds, cache_dir=cache, sharding=_sharding(8)) as loader:
+    for _ in range(k):
+      next(loader)
+    state = json.loads(json.dumps(loader.state()))
+  assert (state['epoch'], state['step']) == (2, k - n)
+  # Elastic resize: the same global batch on 2 devices resumes where 8 left off (the
+  # instances of a step are the same; only which device holds which row changes).
+  with data.Loader.from_config(cfg, ds, state=state, step=k, cache_dir=cache,
+                               sharding=_sharding(2)) as loader:
+    for want in straight[k:]:
+      got = np.asarray(next(loader)['tokens'])
+      np.testing.assert_array_equal(got[np.lexsort(got.T)], want[np.lexsort(want.T)])
+  for steps_done, altered in [(k + 1, {}), (k, {'step': k - n + 1}), (k, {'epoch': 1}),
+                              (k - n, {})]:
+    with pytest.raises(ValueError, match=f'at epoch {altered.get("epoch", 2)}, step '
+                                         f'{altered.get("step", k - n)} .* records {steps_done} '
+                                         'optimizer steps.*metadata was altered'):
+      data.Loader.from_config(cfg, ds, state=dict(state, **altered), step=steps_done)
+  for broken in [{key: v for key, v in state.items() if key != 'step'}, dict(state, epoch='2'),
+                 'not a dict']:
+    with pytest.raises(ValueError, match='has no integer .*metadata was altered'):
+      data.Loader.from_config(cfg, ds, state=broken, step=k)
+
+
+def test_resume_position_with_allowed_data_change(tmp_path):
+  T, B = 16, 8
+  paths = write_files(tmp_path, [1200, 700])
+  n = data.batches_per_epoch(make_ds(paths, T), B)
+  state = data.Loader(make_ds(paths, T), seed=3, global_batch_size=B, epoch=2, step=1).state()
+  (tmp_path / 'more').mkdir()
+  grown = make_ds(paths + write_files(tmp_path / 'more', [900]), T)
+  cfg = _loader_cfg(B, allow_data_change=True)
+  # Epoch lengths may have changed at an earlier resume: past epoch 1 only step < steps_done.
+  data.Loader.from_config(cfg, grown, state=state, step=n + 1).close()
+  data.Loader.from_config(cfg, grown, state=state, step=5 * n).close()
+  with pytest.raises(ValueError, match='records 1 optimizer steps'):
+    data.Loader.from_config(cfg, grown, state=state, step=1)
+  epoch1 = dict(state, epoch=1, step=4)  # epoch 1 starts at step 0 whatever the data
+  data.Loader.from_config(cfg, grown, state=epoch1, step=4).close()
+  with pytest.raises(ValueError, match='records 5 optimizer steps'):
+    data.Loader.from_config(cfg, grown, state=epoch1, step=5)
+
+
 def test_stop_at_epoch_end(tmp_path):
   ds = make_ds(write_files(tmp_path, [800]), 16)
   n = data.batches_per_epoch(ds, 4)
@@ -317,6 +413,50 @@ def test_bad_input_errors_name_the_file(tmp_path):
     data.read_mix(str(mix))
   with pytest.raises(FileNotFoundError, match='no-such-mix.txt'):
     data.read_mix(str(tmp_path / 'no-such-mix.txt'))
+
+
+def _small_vocab_ds(path):
+  return data.Dataset([str(path)], seq_len=8, vocab_size=8192, eos_token_id=0, pad_token_id=1)
+
+
+def test_implausible_token_files_are_refused_naming_the_file_and_fix(tmp_path):
+  ids = np.random.default_rng(0).integers(1, 8192, 6000)
+  for n in (20, 6000):  # a tiny file is judged too
+    (path := tmp_path / f'int{n}.bin').write_bytes(ids[:n].astype('<i8').tobytes())
+    with pytest.raises(ValueError, match=f'{path}: every second 32-bit word of the {2 * n} '
+                                         'sampled tokens is 0: this looks like int64 little-'
+                                         'endian ids.*Re-tokenize to uint32 with scripts/prepare'):
+      _small_vocab_ds(path)
+  others = np.random.default_rng(1).integers(0, VOCAB, 6000)  # dolma2 ids, vocab 8192 configured
+  for name, array, hint in [('be.bin', ids.astype('>u4'), 'they look like big-endian uint32'),
+                            ('be64.bin', ids.astype('>i8'), 'they look like int64 big-endian'),
+                            ('u16.bin', ids.astype('<u2'), 'they look like uint16'),
+                            ('dolma.bin', others.astype('<u4'), 'the file was made with another '
+                                                                'tokenizer')]:
+    (path := tmp_path / name).write_bytes(array.tobytes())
+    words = np.frombuffer(array.tobytes(), '<u4')
+    bad = np.flatnonzero(words >= 8192)
+    with pytest.raises(ValueError, match=f'{path}: token id {words[bad[0]]} at token offset '
+                                         f'{bad[0]} is >= vocab_size 8192; so are {bad.size - 1} '
+                                         f'more of the {words.size} tokens sampled: {hint}.*Check '
+                                         'cfg.data.vocab_size, or re-tokenize to uint32'):
+      _small_vocab_ds(path)
+
+
+def test_token_file_check_reads_a_bounded_sample(tmp_path):
+  n = 1 << 22  # 16 MiB of token 0, far more than the ~80K tokens sampled
+  stride = (n - data._SAMPLE_HEAD) // data._SAMPLE_CHUNKS // 2 * 2
+  for name, offset in [('in_sample.bin', data._SAMPLE_HEAD + 2 * stride + 100), ('end.bin', n - 9)]:
+    with open(tmp_path / name, 'wb') as f:
+      f.truncate(4 * n)
+      f.seek(4 * offset)
+      f.write(np.array([9000, 9001], '<u4').tobytes())
+  with pytest.raises(ValueError, match=f'in_sample.bin: token id 9000 at token offset '
+                                       f'{data._SAMPLE_HEAD + 2 * stride + 100} .* so are 1 more'):
+    _small_vocab_ds(tmp_path / 'in_sample.bin')  # found in a chunk spread past the head
+  ds = _small_vocab_ds(tmp_path / 'end.bin')  # no full scan: the end was not read
+  with pytest.raises(ValueError, match=f'end.bin: token id 9000 at token offset {n - 9} '):
+    ds.check_tokens()  # the offline full scan finds it
 
 
 def _cfg(**kw):

@@ -552,3 +552,18 @@ def test_wrong_flag_combinations_are_usage_errors(tmp_path, args, fix):
   """Refused before any model is loaded, with a message that names the fix."""
   run = run_eval(*(a.format(ckpt=tmp_path) for a in args))
   assert run.returncode == 1 and fix in run.stderr, run.stderr[-3000:]
+
+
+def test_convert_made_checkpoint_scores_like_its_hf_source(hf_dir, lm, tmp_path):
+  """convert.py --from_hf writes no data config; eval reads vocab, EOS and length from its source."""
+  proc = subprocess.run([sys.executable, 'convert.py', f'--from_hf={hf_dir}',
+                         f'--to={tmp_path / "ckpt"}'], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  converted = scoring.load_model(str(tmp_path / 'ckpt'))
+  assert (converted.vocab_size, converted.eos_token_id, converted.max_length) == (
+      lm.vocab_size, lm.eos_token_id, lm.max_length)
+  requests = [([0, 5, 9, 3], [4, 2]), ([0, 7], [8, 8, 1])]
+  got = scoring.Scorer(converted).loglikelihood_tokens(requests)
+  want = scoring.Scorer(lm).loglikelihood_tokens(requests)
+  np.testing.assert_allclose([s for s, _ in got], [s for s, _ in want], rtol=1e-6)
