@@ -831,7 +831,9 @@ def _opened(path: str, name: str, desc: Any, use_ocdbt: bool, future: Any) -> An
   except (KeyError, TypeError, ValueError) as e:
     raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} describes array '
                                  f'{name} badly: {e!r}') from e
-  chunk = store.chunk_layout.read_chunk.shape or ()  # None for a scalar
+  # The chunk grid (write chunks): tensorstore may split a large chunk into
+  # smaller read chunks inside it (its sharding codec), which is not damage.
+  chunk = store.chunk_layout.write_chunk.shape or ()  # None for a scalar
   actual = (tuple(store.shape), store.dtype, tuple(chunk))
   if declared != actual:
     raise CorruptCheckpointError(

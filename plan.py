@@ -297,4 +297,4 @@ if __name__ == '__main__':
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
   FLAGS = flags.FLAGS
-  app.run(main)
+  app.run(main, flags_parser=train.parse_flags)  # config mistakes in one line

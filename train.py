@@ -1,21 +1,37 @@
 """Trains Olmo 3: python train.py --config=configs/small.py --workdir=/tmp/run.
 
 The same command starts a fresh run or resumes the latest good checkpoint in
---workdir. Before anything is allocated it checks the data settings and that
-params + Adam moments fit the devices; `python plan.py` answers the fuller
-question (temporaries, FLOPs, other meshes) ahead of time.
+--workdir. Before anything is allocated it checks the config, the data
+settings and that params + Adam moments fit the devices; `python plan.py`
+answers the fuller question (temporaries, FLOPs, other meshes) ahead of time.
+One run at a time may use a workdir (checkpoint.WorkdirLock).
 
-Reading order: mesh and shardings, state init, the jitted step, the loop.
+Exit codes (scripts/launch.py restarts every one but 0 and 4):
+  0  done: cfg.train.steps reached, now or by an earlier run.
+  1  an error. A bad flag, config or resume (a changed config, train.steps
+     behind the checkpoint) or a workdir in use is one line naming the fix;
+     anything else is a traceback. Earlier checkpoints stay intact.
+  3  EXIT_PREEMPTED: SIGTERM/SIGINT; a checkpoint was written, rerun the same command.
+  4  EXIT_DIVERGED: the divergence guard (train.max_loss,
+     train.max_consecutive_skips) stopped the run; its state was saved as an
+     unhealthy checkpoint and retention keeps the last healthy one.
+
+Reading order: mesh and shardings, state init, the jitted step, metrics,
+guarding the run (resumed configs, divergence), the loop, the command line.
 Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
+import contextlib
+import difflib
 import glob
+import importlib.util
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from absl import app, flags, logging
 import jax
@@ -26,6 +42,7 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 from tensorboardX import FileWriter
+from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2, summary_pb2
 from tokenizers import Tokenizer
 
@@ -38,6 +55,7 @@ import optim
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
+EXIT_DIVERGED = 4  # the divergence guard stopped the run: do not restart it unchanged
 BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
@@ -359,14 +377,18 @@ class MetricWriter:
       self.tb.add_event(event_pb2.Event(session_log=event_pb2.SessionLog(
           status=event_pb2.SessionLog.START)), step=start + 1)
 
-  def write(self, step: int, metrics: dict[str, float]) -> None:
+  def write(self, step: int, metrics: dict[str, float | str]) -> None:
+    """One record; numbers become TensorBoard scalars, strings its text summaries."""
     if not self.enabled:
       return
     self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
     self.jsonl.flush()
     self.tb.add_summary(self._summary(value=[
-        self._summary.Value(tag=name, simple_value=value) for name, value in metrics.items()]),
-                        step)
+        self._summary.Value(tag=name, simple_value=value) for name, value in metrics.items()
+        if not isinstance(value, str)]), step)
+    for name, text in metrics.items():
+      if isinstance(text, str):
+        self.tb.add_summary(tb_summary.text(name, text), step)
     self.tb.flush()
 
   def close(self) -> None:
@@ -375,7 +397,195 @@ class MetricWriter:
       self.tb.close()
 
 
+# --- Guarding the run: resumed configs and divergence ------------------------------------
+
+
+class RunError(ValueError):
+  """A run refused before it trains (a changed config, steps behind the checkpoint).
+
+  main() prints it as one line and exits 1; nothing on disk was changed.
+  """
+
+
+# Changing one of these on resume starts a different run, not a continuation
+# of the checkpoint's: the weights' shapes and the function they compute,
+# which tokens each step reads, and the init. Everything else (LR, logging,
+# mesh, ...) may change and is only logged.
+RUN_DEFINING_FIELDS = (*(f'model.{f}' for f in ARCHITECTURE_FIELDS),
+                       'model.sliding_window_plus_one', 'model.yarn', 'data.paths',
+                       'data.mix_file', 'data.base_dir', 'data.seq_len',
+                       'data.global_batch_size', 'data.seed', 'train.seed')
+ABSENT = '(absent)'  # a field one side's code did not have
+
+
+def _flat(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def config_changes(saved: dict[str, Any], cfg: ml_collections.ConfigDict
+                   ) -> dict[str, tuple[Any, Any]]:
+  """{dotted field: (saved value, current value)} for every field that differs.
+
+  The current config goes through JSON first, as the saved one did (tuples
+  become lists), so only real differences show.
+  """
+  old, new = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
+  pairs = {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())}
+  return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
+
+
+def check_resume(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> None:
+  """Logs every config field changed since the checkpoint; refuses a different run.
+
+  Refused unless train.allow_config_change: a change to RUN_DEFINING_FIELDS.
+  Always refused: train.steps below the checkpoint's step, which the run has
+  passed (and equal is a finished run: train() says so and exits 0).
+  """
+  step = meta['step']
+  changes = config_changes(meta['config'], cfg) if 'config' in meta else {}
+  for field, (old, new) in changes.items():
+    logging.warning('Config changed since checkpoint step %d: %s: %r -> %r.', step, field, old,
+                    new)
+  defining = [f for f in changes if any(f == d or f.startswith(d + '.')
+                                        for d in RUN_DEFINING_FIELDS)]
+  if defining and not cfg.train.allow_config_change:
+    listed = '; '.join(f'{f}: {changes[f][0]!r} -> {changes[f][1]!r}' for f in defining)
+    raise RunError(
+        f'The checkpoint at step {step} was trained with other settings that define the run '
+        f'(the weights\' shapes, the data order or the init): {listed}. Resuming would not '
+        'continue that run. Rerun with the checkpoint\'s values, use another --workdir for a '
+        'new run, or pass --config.train.allow_config_change=True to resume anyway (to read '
+        'the same files from a new place, set --config.data.path_remap instead).')
+  if cfg.train.steps < step:
+    raise RunError(f'train.steps={cfg.train.steps} is below the checkpoint\'s step {step}: the '
+                   f'run is past it. Set --config.train.steps above {step} to train on, or use '
+                   'another --workdir for a new run.')
+
+
+class DivergenceGuard:
+  """Judges each step: has the run diverged, and is its state healthy?
+
+  It trips at the first step whose CE loss exceeds train.max_loss, or at the
+  train.max_consecutive_skips-th skipped step in a row. The skip rule alone
+  cannot stop a divergence: it skips only non-finite values and > 6 sigma
+  spikes, so a large finite LR keeps applying destructive updates whose
+  losses soon fill the spike history; the loss bound catches those, and the
+  skip count catches a run that only produces NaNs.
+
+  Healthy, the flag each checkpoint is saved with, means: the guard has not
+  tripped at or before the saved step, and that step was not skipped. A skip
+  means the step's loss or gradient was non-finite or a spike, evidence
+  against the params it measured, so its state must not become the one that
+  retention protects over older ones. The loss of step s measures the params
+  before step s's update: a destructive update shows one step later, so the
+  newest healthy checkpoint can hold that one update.
+  """
+
+  def __init__(self, cfg_train: ml_collections.ConfigDict):
+    self.max_loss, self.max_skips = cfg_train.max_loss, cfg_train.max_consecutive_skips
+    self.skips = 0  # skipped steps in a row up to the last observed one
+    self.reason: str | None = None  # why it tripped; None while it has not
+
+  def observe(self, step: int, record: dict[str, float]) -> None:
+    if self.reason:
+      return
+    self.skips = self.skips + 1 if record['optim/step skipped'] else 0
+    loss = record['train/CE loss']
+    if loss > self.max_loss:  # False for NaN: a NaN step is skipped and counted instead
+      self.reason = (f'the CE loss of step {step} is {loss:.4g}, above '
+                     f'train.max_loss={self.max_loss:g}')
+    elif self.skips >= self.max_skips:
+      self.reason = (f'steps {step - self.skips + 1}-{step} were all skipped (non-finite or '
+                     f'spiking loss or gradient norm; train.max_consecutive_skips='
+                     f'{self.max_skips})')
+
+  @property
+  def healthy(self) -> bool:
+    return self.reason is None and self.skips == 0
+
+
+def stop_diverged(reason: str, step: int, cfg: ml_collections.ConfigDict,
+                  ckpt: checkpoint.Checkpointer, state: TrainState, meta: dict[str, Any],
+                  writer: MetricWriter) -> NoReturn:
+  """Records why, saves the state as unhealthy, says what to do, exits EXIT_DIVERGED."""
+  writer.write(step, {'guard/diverged': 1.0, 'guard/reason': reason})
+  ckpt.save(step, state, {**meta, 'diverged': reason}, healthy=False)
+  ckpt.wait()
+  healthy = ckpt.latest_healthy_step()
+  back = (f'The last healthy checkpoint is step {healthy}: to resume from it, move the newer '
+          f'step_* directories out of {ckpt.directory}, then rerun with the cause fixed'
+          if healthy is not None else
+          'No healthy checkpoint exists yet: start again in a new --workdir with the cause fixed')
+  print(f'DIVERGED: {reason}. Stopped at step {step}; its state is saved for inspection as '
+        f'checkpoint step {step}, marked unhealthy. {back} (e.g. a lower --config.opt.lr, now '
+        f'{cfg.opt.lr:g}), or, if the run was in fact healthy, raise --config.train.max_loss '
+        f'or --config.train.max_consecutive_skips.', file=sys.stderr, flush=True)
+  raise SystemExit(EXIT_DIVERGED)
+
+
 # --- The loop ---------------------------------------------------------------------------
+
+
+class Progress:
+  """Each step's metrics: to the divergence guard, metrics.jsonl + TensorBoard, the console.
+
+  Metrics stay on device until flush() (log and save steps), so the loop
+  never waits on the host in between; flush() hands every step to the guard,
+  in order, before anything else sees it.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, writer: MetricWriter,
+               guard: DivergenceGuard, devices: int, start: int):
+    self.writer, self.guard, self.devices, self.steps = writer, guard, devices, cfg.train.steps
+    self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    self.flops_per_token = model.flops_per_token(cfg.model, cfg.data.seq_len)
+    self.peak = peak_flops(cfg.train)
+    self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+    self.window_start, self.window_step, self.data_wait = time.perf_counter(), start, 0.0
+
+  def add(self, step: int, metrics: dict[str, jax.Array], data_wait: float) -> None:
+    self.pending.append((step, metrics))
+    self.data_wait += data_wait
+
+  def flush(self, log: bool) -> dict[str, float]:
+    """Judges and writes the pending steps; with `log`, prints the last with its speed."""
+    records = [(s, self._record(s, m)) for s, m in jax.device_get(self.pending)]
+    self.pending = []
+    for step, record in records:
+      self.guard.observe(step, record)
+    step, last = records[-1]
+    if log:
+      last.update(self._throughput(step))
+      print(f"step {step:>7d}/{self.steps}  loss {last['train/CE loss']:.4f}  "
+            f"lr {last['optim/LR']:.3g}  gnorm {last['optim/total grad norm']:.3f}  "
+            f"{last['throughput/device/TPS']:,.0f} tok/s/dev  {last['time/step'] * 1e3:.0f} "
+            'ms/step' + ('  [skipped]' if last['optim/step skipped'] else ''), flush=True)
+    for s, record in records:
+      self.writer.write(s, record)
+    return last
+
+  def _record(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+    record = {k: float(v) for k, v in metrics.items()}
+    record['train/PPL'] = float(np.exp(min(record['train/CE loss'], 80.0)))
+    record['throughput/total tokens'] = step * self.tokens_per_step
+    return record
+
+  def _throughput(self, step: int) -> dict[str, float]:
+    """Per-device speed over the steps since the last log line; starts the next window."""
+    n, seconds = step - self.window_step, time.perf_counter() - self.window_start
+    tps = n * self.tokens_per_step / seconds / self.devices
+    out = {'throughput/device/TPS': tps, 'time/step': seconds / n,
+           'time/data wait': self.data_wait / n}
+    if self.peak:
+      out['throughput/device/MFU'] = tps * self.flops_per_token / self.peak
+    self.window_start, self.window_step, self.data_wait = time.perf_counter(), step, 0.0
+    return out
 
 
 class Preemption:
@@ -419,12 +629,28 @@ def code_version() -> str:
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Refuses a config that cannot run, naming the field and the fix; touches nothing."""
   model.validate(cfg.model)
+  optim.check_config(cfg.opt)
   if cfg.data.vocab_size > cfg.model.vocab_size:
     raise ValueError(f'data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size='
                      f'{cfg.model.vocab_size}: token ids would index past the embedding.')
-  if cfg.train.steps < 1 or cfg.train.log_every < 1 or cfg.train.ckpt_every < 1:
-    raise ValueError('train.steps, train.log_every and train.ckpt_every must be >= 1.')
+  t = cfg.train
+  rules = (  # field, holds, what it must be
+      ('steps', t.steps >= 1, 'an integer >= 1'),
+      ('log_every', t.log_every >= 1, 'an integer >= 1'),
+      ('ckpt_every', t.ckpt_every >= 1, 'an integer >= 1'),
+      ('keep_last', t.keep_last >= 1, 'an integer >= 1 (the newest checkpoints kept)'),
+      ('keep_every', t.keep_every >= 0, 'an integer >= 0 (0: keep none permanently)'),
+      ('eval_every', t.eval_every >= 0, 'an integer >= 0 (0: never)'),
+      ('micro_batch_size', t.micro_batch_size >= 1, 'an integer >= 1'),
+      ('max_loss', t.max_loss > 0, 'a number > 0, or inf to turn the loss bound off'),
+      ('max_consecutive_skips', t.max_consecutive_skips >= 1, 'an integer >= 1'),
+  )
+  for field, holds, rule in rules:
+    if not holds:
+      raise ValueError(f'cfg.train.{field}={t[field]!r} must be {rule}; set '
+                       f'--config.train.{field} to such a value.')
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
@@ -432,8 +658,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   """Runs (or resumes) training to cfg.train.steps; returns the last logged metrics.
 
   Cheap checks come first, so a bad setting fails in seconds with nothing
-  allocated: the config, the data files, the mesh and micro-batching, and
-  whether params + moments fit a device.
+  allocated or written: the config, the data files, the mesh and
+  micro-batching, and whether params + moments fit a device. Then the
+  workdir is locked (by process 0, for all processes of the run): a second
+  run's checkpoint clean-up would take this one's in-flight save for the
+  leftovers of a crashed one.
   """
   validate(cfg)
   ds = data.Dataset.from_config(cfg.data)
@@ -444,8 +673,38 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   impl, why = kernels.resolve(cfg.model, segments=cfg.data.document_masking)
   logging.info('attention_impl=%s (%s).', impl, why)
   check_state_fits(cfg, mesh)
+  lock = (checkpoint.WorkdirLock(workdir) if jax.process_index() == 0
+          else contextlib.nullcontext())
+  with lock:
+    return _train_locked(cfg, workdir, ds, mesh, accum, sample_tokens)
 
-  os.makedirs(workdir, exist_ok=True)
+
+def restore_or_init(cfg: ml_collections.ConfigDict, mesh: Mesh, ckpt: checkpoint.Checkpointer
+                    ) -> tuple[TrainState, TrainState, dict[str, Any] | None]:
+  """(state, shardings, loader state): the latest good checkpoint's, else step 0's."""
+  if not ckpt.committed_steps():
+    state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
+    if cfg.train.init_from:
+      state = load_init(cfg, mesh, state, shardings)
+    return state, shardings, None
+  latest = ckpt.latest_step()
+  try:  # refuse a changed config before spending a restore on it
+    check_resume(cfg, checkpoint.read_metadata(ckpt.directory, latest))
+  except checkpoint.CorruptCheckpointError:
+    pass  # restore_latest_good sets it aside and falls back; checked below
+  state, meta = ckpt.restore_latest_good(abstract_state(cfg, mesh))  # straight into its shards
+  if meta['step'] != latest:
+    check_resume(cfg, meta)
+  if 'diverged' in meta:
+    logging.warning('Resuming from step %d, saved when the divergence guard stopped the run '
+                    '(%s); the last healthy checkpoint is step %s.', meta['step'],
+                    meta['diverged'], ckpt.latest_healthy_step())
+  logging.info('Resumed from step %d in %s.', meta['step'], ckpt.directory)
+  return state, state_shardings(abstract_state(cfg), mesh), meta['data']
+
+
+def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset, mesh: Mesh,
+                  accum: int, sample_tokens: int) -> dict[str, float]:
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   ckpt = checkpoint.Checkpointer(ckpt_dir, keep_last=cfg.train.keep_last,
                                  keep_every=cfg.train.keep_every)
@@ -455,82 +714,58 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
     # here would silently replace the run.
     raise FileNotFoundError(f'{ckpt_dir} holds only corrupt checkpoints (corrupt.step_*); '
                             'restore a good copy there, or remove them to start afresh.')
-  data_state = None
-  if ckpt.committed_steps():  # restored straight into its shards: no second copy
-    shardings = state_shardings(abstract_state(cfg), mesh)
-    state, meta = ckpt.restore_latest_good(abstract_state(cfg, mesh))
-    data_state = meta['data']
-    logging.info('Resumed from step %d in %s.', meta['step'], workdir)
-  else:
-    state, shardings = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
-    if cfg.train.init_from:
-      state = load_init(cfg, mesh, state, shardings)
+  state, shardings, data_state = restore_or_init(cfg, mesh, ckpt)
   start = int(jax.device_get(state.opt_state.step))
+  if start == cfg.train.steps:
+    print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '
+          '--config.train.steps to train further.', flush=True)
 
   sharding = batch_sharding(mesh)
   loader = data.Loader.from_config(
-      cfg.data, ds, state=data_state, sharding=sharding,
+      cfg.data, ds, state=data_state, step=start, sharding=sharding,
       cache_dir=cfg.data.cache_dir or os.path.join(workdir, 'data_cache'))
   train_step = jax.jit(make_train_step(cfg, mesh, accum), donate_argnums=0,
                        out_shardings=(shardings, None))
   evaluate = held_out_evaluator(cfg, mesh)
 
-  tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-  flops_per_step = model.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-  peak = peak_flops(cfg.train)
   writer = MetricWriter(workdir, start)
+  guard = DivergenceGuard(cfg.train)
+  progress = Progress(cfg, writer, guard, mesh.size, start)
   preempt = Preemption()
+  version = code_version()
   logging.info('Training %s params on %d devices (mesh %s), %d micro-batches/step, '
                'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
                dict(mesh.shape), accum, start, cfg.train.steps)
 
-  pending, last = [], {}
-  window_start, data_wait = time.perf_counter(), 0.0
-  step = start
+  last, step = {}, start
   try:
     while step < cfg.train.steps:
       t0 = time.perf_counter()
       batch = next(loader)
-      data_wait += time.perf_counter() - t0
+      wait = time.perf_counter() - t0
+      ckpt.poll()  # a failed background save stops the run now, not at the next save
       state, metrics = train_step(state, batch)
       step += 1
-      pending.append((step, metrics))  # device arrays: no host sync until the log step
+      progress.add(step, metrics, wait)
       preempted = preempt.agreed()
-      stop = preempted or step == cfg.train.steps
-      if step % cfg.train.log_every == 0 or stop:
-        fetched = jax.device_get(pending)
-        elapsed = time.perf_counter() - window_start
-        n = len(fetched)
-        for s, m in fetched:  # every step's losses; throughput only on the log step
-          record = {k: float(v) for k, v in m.items()}
-          record['train/PPL'] = float(np.exp(min(record['train/CE loss'], 80.0)))
-          record['throughput/total tokens'] = s * tokens_per_step
-          if s != step:
-            writer.write(s, record)
-        tps = n * tokens_per_step / elapsed / mesh.size
-        record.update({'throughput/device/TPS': tps, 'time/step': elapsed / n,
-                       'time/data wait': data_wait / n})
-        if peak:
-          record['throughput/device/MFU'] = tps * flops_per_step / tokens_per_step / peak
-        writer.write(step, record)
-        last = record
-        print(f"step {step:>7d}/{cfg.train.steps}  loss {record['train/CE loss']:.4f}  "
-              f"lr {record['optim/LR']:.3g}  gnorm {record['optim/total grad norm']:.3f}  "
-              f"{tps:,.0f} tok/s/dev  {elapsed / n * 1e3:.0f} ms/step"
-              + ('  [skipped]' if record['optim/step skipped'] else ''), flush=True)
-        pending, data_wait, window_start = [], 0.0, time.perf_counter()
+      finished = step == cfg.train.steps
+      save = step % cfg.train.ckpt_every == 0 or finished or preempted
+      log = step % cfg.train.log_every == 0 or finished or preempted
+      if log or save:  # a save is judged healthy only after the guard saw its step
+        last = progress.flush(log)
+      if guard.reason:
+        stop_diverged(guard.reason, step, cfg, ckpt, state,
+                      checkpoint_meta(cfg, step, loader, version), writer)
       # Not on preemption: the grace period is for the checkpoint.
-      if evaluate and cfg.train.eval_every and (step % cfg.train.eval_every == 0
-                                                or step == cfg.train.steps):
+      if evaluate and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or finished):
         val = evaluate(state.params)
         writer.write(step, val)
         last.update(val)
         print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
               flush=True)
-      if step % cfg.train.ckpt_every == 0 or stop:
-        meta = {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
-                'code_version': code_version(), 'rng_seed': cfg.train.seed}
-        ckpt.save(step, state, meta)
+      if save:
+        ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version),
+                  healthy=guard.healthy)
       if preempted:
         ckpt.wait()
         logging.warning('Preempted at step %d; checkpoint written.', step)
@@ -553,6 +788,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   if sample_tokens:
     print_sample(cfg, state.params, sample_tokens)
   return last
+
+
+def checkpoint_meta(cfg: ml_collections.ConfigDict, step: int, loader: data.Loader,
+                    version: str) -> dict[str, Any]:
+  """What a checkpoint records besides the state: the config, the data position, the code."""
+  return {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
+          'code_version': version, 'rng_seed': cfg.train.seed}
 
 
 def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
@@ -638,6 +880,99 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
 
 
+# --- The command line -------------------------------------------------------------------
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+DEFAULT_CONFIG = 'configs/small.py'  # relative to the working directory, as ml_collections reads it
+
+
+@contextlib.contextmanager
+def config_mistakes_in_one_line(argv: list[str], default_config: str | None):
+  """Exits with one line naming the fix where ml_collections raises for a bad --config.
+
+  It raises an unknown --config.* field as three chained tracebacks, and a
+  missing --config file only once the config is first read (as
+  'config_config'); both come from parsing argv, which is only read here.
+  """
+  try:
+    yield
+  except (AttributeError, KeyError, OSError):
+    mistake = config_mistake(*_config_args(argv, default_config))
+    if mistake:
+      sys.exit(f'error: {mistake}')
+    raise
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flag parser for train.py and plan.py: config mistakes in one line."""
+  default = getattr(FLAGS['config'], 'default_unparsed', None)  # set when argv has no --config
+  with config_mistakes_in_one_line(argv, default):
+    rest = app.parse_flags_with_usage(argv)
+    FLAGS.config.keys()  # a config file that failed to load raises on this first read
+  return rest
+
+
+def _config_args(argv: list[str], default_config: str | None) -> tuple[str | None, list[str]]:
+  """The --config file and the --config.* override paths, as argv spells them."""
+  path, overrides = default_config, []
+  for arg, following in zip(argv[1:], [*argv[2:], None]):
+    name, equals, value = arg.lstrip('-').partition('=')
+    if name == 'config':
+      path = value if equals else following
+    elif name.startswith(('config.', 'noconfig.')):
+      overrides.append(name.split('.', 1)[1])
+  return path, overrides
+
+
+def config_mistake(path: str | None, overrides: list[str]) -> str | None:
+  """What is wrong with --config=`path` or one of its overrides, and the fix; None if neither."""
+  if not path:
+    return None
+  if not os.path.isfile(path.split(':', 1)[0]):
+    return _missing_config(path)
+  cfg = _load_config(path)
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    return None
+  for override in overrides:
+    problem = _unknown_field(cfg, override)
+    if problem:
+      return f'--config.{override}: {problem}'
+  return None
+
+
+def _load_config(path: str) -> Any:
+  """get_config() of a config file, as --config=FILE[:ARG] runs it."""
+  file, _, arg = path.partition(':')
+  spec = importlib.util.spec_from_file_location('config_being_checked', file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*[arg] if arg else [])
+
+
+def _missing_config(path: str) -> str:
+  names = sorted(n for n in os.listdir(CONFIG_DIR) if n.endswith('.py') and n != '__init__.py')
+  here = os.path.relpath(CONFIG_DIR)
+  close = difflib.get_close_matches(os.path.basename(path.split(':', 1)[0]), names, n=1)
+  hint = (f'did you mean --config={os.path.join(here, close[0])}?' if close else
+          'the configs are ' + ', '.join(os.path.join(here, n) for n in names))
+  return f'--config={path}: no such file (relative paths start at {os.getcwd()}); {hint}'
+
+
+def _unknown_field(cfg: ml_collections.ConfigDict, override: str) -> str | None:
+  """Why `override` (e.g. 'train.stpes') names no field of `cfg`, with the closest one."""
+  node, seen = cfg, []
+  for key in override.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict):
+      return f'{".".join(seen)} is a value of type {type(node).__name__}, not a group of fields'
+    if key not in node:
+      close = difflib.get_close_matches(key, list(node.keys()), n=1)
+      hint = (f'did you mean --config.{".".join([*seen, close[0]])}?' if close else
+              f'its fields are {", ".join(sorted(node.keys()))}')
+      return f'{".".join(seen) or "the config"} has no field {key!r}; {hint}'
+    node, seen = node[key], [*seen, key]
+  return None
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -646,9 +981,16 @@ def main(argv: list[str]) -> None:
                          '--config=CONFIG --devices=N [--target_devices=M].')
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required (checkpoints and metrics go there).')
+  try:
+    validate(FLAGS.config)  # before anything is built or written
+  except ValueError as e:
+    sys.exit(f'error: {e}')
   init_distributed(FLAGS.coordinator_address, FLAGS.process_id, FLAGS.num_processes,
                    FLAGS.heartbeat_timeout)
-  train(FLAGS.config, FLAGS.workdir, FLAGS.sample_tokens)
+  try:
+    train(FLAGS.config, FLAGS.workdir, FLAGS.sample_tokens)
+  except (RunError, checkpoint.WorkdirLockedError) as e:
+    sys.exit(f'error: {e}')
 
 
 def run() -> None:
@@ -657,7 +999,9 @@ def run() -> None:
   Flags are defined here rather than at import, so plan.py, tests and scripts
   can import this module as a library.
   """
-  config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config file.')
+  # Without --config in argv this already parses the default file and the overrides.
+  with config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):
+    config_flags.DEFINE_config_file('config', DEFAULT_CONFIG, 'Training config file.')
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
   flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
   flags.DEFINE_bool('dry_run', False, 'Moved: run python plan.py --config=... --devices=N.')
@@ -669,7 +1013,7 @@ def run() -> None:
                        '--coordinator_address).')
   flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
                        'other processes of a multi-process run abort (JAX default 100).')
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

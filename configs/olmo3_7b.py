@@ -104,4 +104,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 1000  # held-out loss cadence (0 = never)
   c.train.peak_flops = config_dict.placeholder(float)  # per-device peak override for MFU
   c.train.reset_step_on_init = False  # stage 2 sets True: keep moments, restart step and schedule
+  c.train.allow_config_change = False  # ours: resume despite changed shapes/data/seeds (train.py)
+  # The divergence guard (ours; train.DivergenceGuard). A run stops, keeping
+  # its last healthy checkpoint, once its CE loss exceeds max_loss: ~2 ln(100352),
+  # twice the loss of a uniform guess over the vocabulary (ln 8192 = 9.0 for
+  # the small configs). The std-0.02 init starts near ln(V), and a healthy run
+  # never climbs back to it, let alone twice it (its spikes are skipped or
+  # recovered from well below), while destructive updates push the loss far past.
+  c.train.max_loss = 23.0
+  # ... or once this many steps in a row were skipped. A healthy run skips
+  # isolated steps: a skipped spike enters the 128-step history and widens
+  # its sigma, so the next steps pass; only a run that keeps producing NaNs or
+  # ever-growing spikes skips 100 in a row.
+  c.train.max_consecutive_skips = 100
   return c

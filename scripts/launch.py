@@ -3,8 +3,11 @@
   python scripts/launch.py -- python train.py --config=configs/olmo3_7b.py --workdir=/ckpt/run
 
 Everything after `--` is the trainer command. It is restarted, unchanged, after
-any exit other than 0 (train.py exits 0 only once cfg.train.steps is reached;
-train.EXIT_PREEMPTED after a SIGTERM checkpoint; anything else is a crash).
+any exit other than 0 and train.EXIT_DIVERGED (train.py exits 0 only once
+cfg.train.steps is reached; EXIT_PREEMPTED after a SIGTERM checkpoint;
+EXIT_DIVERGED when its divergence guard stopped it, which a rerun of the
+same command would only repeat, so the launcher exits with it; anything else
+is a crash).
 Each restart resumes from the latest committed checkpoint in --workdir. A
 restart that followed progress (a newer committed checkpoint step than before
 the attempt) waits --backoff seconds; attempts without progress wait twice as
@@ -28,7 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402  (repo root on the path first)
 
-EXIT_PREEMPTED = 3  # train.EXIT_PREEMPTED; train.py is not imported (it defines absl flags)
+# train.py's exit codes, repeated rather than importing the whole trainer (the model,
+# kernels, data); tests/test_launch.py checks that they match.
+EXIT_PREEMPTED = 3  # train.EXIT_PREEMPTED
+EXIT_DIVERGED = 4  # train.EXIT_DIVERGED
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -101,6 +107,10 @@ class Launcher:
       if rc == 0:
         self.log(f'attempt {attempt}: trainer finished (exit 0).')
         return 0
+      if rc == EXIT_DIVERGED:
+        self.log(f'attempt {attempt}: trainer stopped by its divergence guard (exit {rc}); '
+                 'not restarting: fix the cause its message names, then relaunch.')
+        return rc
       what = ('preempted, checkpoint written' if rc == EXIT_PREEMPTED else
               f'killed by signal {-rc}' if rc < 0 else f'crashed with exit code {rc}')
       if self.stopping:

@@ -53,6 +53,23 @@ def fake_trainer(tmp_path, body: str) -> list[str]:
 
 def test_exit_code_matches_train():
   assert launch.EXIT_PREEMPTED == train.EXIT_PREEMPTED
+  assert launch.EXIT_DIVERGED == train.EXIT_DIVERGED
+
+
+def test_diverged_run_is_not_restarted_but_a_crash_is(tmp_path):
+  # First attempt crashes (exit 1): restarted. Second exits EXIT_DIVERGED: the
+  # launcher stops there with that code, though max_failures allows more.
+  body = ('marker = os.path.join(os.path.dirname(ckpt), "crashed")\n'
+          'if not os.path.exists(marker):\n'
+          '  os.makedirs(os.path.dirname(marker), exist_ok=True)\n'
+          '  open(marker, "w").close()\n'
+          '  sys.exit(1)\n'
+          f'sys.exit({train.EXIT_DIVERGED})\n')
+  rc = launch.main(['--max_failures=5', '--backoff=0', '--', *fake_trainer(tmp_path, body)])
+  assert rc == train.EXIT_DIVERGED
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 2 and 'crashed with exit code 1' in log, log
+  assert 'divergence guard' in log and 'not restarting' in log, log
 
 
 def test_gives_up_after_failures_without_progress_with_backoff(tmp_path):

@@ -104,6 +104,69 @@ class ScheduleJnpTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=0)
 
 
+# Every schedule of optim.SCHEDULES, plus a cosine decaying to 0 (where nothing
+# dilutes the tail's rounding), over its whole range.
+WHOLE_RANGE = {
+    'olmo3_stitched': lambda: _opt_cfg(),
+    'cosine': lambda: _opt_cfg(schedule='cosine'),
+    'cosine_to_zero': lambda: _opt_cfg(schedule='cosine', final_lr=0.0),
+    'single_cosine': lambda: _opt_cfg(schedule='single_cosine'),
+    'linear': lambda: olmo3_7b_stage2.get_config().opt,
+}
+
+
+@pytest.mark.parametrize('name', sorted(WHOLE_RANGE))
+def test_float32_lr_within_1e6_of_float64_over_the_whole_range(name):
+  """The jitted float32 LR against the float64 schedule and OLMo-core's, to the last step.
+
+  Every step within 64 of a phase boundary (warmup ends, part 2 starts, each
+  decay ends) and every 97th step in between; the linear stage 2 at every
+  step. A decay written `lr - (lr - final) * x` cancels as x -> 1: at stage
+  2's step 47,683 float32 gave 4.3533e-9 for OLMo-core's 4.3437e-9.
+  """
+  cfg = WHOLE_RANGE[name]()
+  edges = [cfg.warmup_steps, cfg.t_max, cfg.single_cosine_t_max]
+  if name == 'olmo3_stitched':
+    edges += [cfg.part2_start, cfg.part2_warmup, cfg.part2_t_max]
+  end = max(edges) + 64
+  stride = 1 if name == 'linear' else 97
+  steps = np.array(sorted(set(range(0, end, stride)) | {
+      min(max(e + d, 0), end) for e in edges for d in range(-64, 65)}))
+  lr = optim.lr_schedule(cfg)
+  float64 = lr(steps)
+  # OLMo-core's own float64 rounds `1 + cos(...)` and `lr - (lr - final) * x`
+  # to ~2^-53 of lr, which near a zero floor is more than 1e-12 of the value.
+  want = np.array([_olmo_core_lr(cfg, s) for s in steps])
+  np.testing.assert_allclose(float64, want, rtol=1e-12, atol=2.0 ** -52 * cfg.lr)
+  got = jax.jit(jax.vmap(lr))(jnp.asarray(steps, jnp.int32))
+  assert got.dtype == jnp.float32
+  got = np.asarray(got, np.float64)
+  zero = float64 == 0  # the end of a decay to 0
+  assert np.array_equal(zero, want == 0) and np.all(got[zero] == 0)
+  rel = np.abs(got[~zero] - float64[~zero]) / float64[~zero]
+  assert rel.max() < 1e-6, (rel.max(), steps[~zero][rel.argmax()])
+
+
+@pytest.mark.parametrize('field, value', [
+    ('lr', math.inf), ('lr', math.nan), ('lr', 0.0), ('lr', -3e-4),
+    ('final_lr', -1e-5), ('final_lr', math.nan), ('final_lr', 1e-3),  # above lr
+    ('warmup_steps', -1), ('b1', 1.0), ('b1', -0.1), ('b2', math.nan), ('eps', 0.0),
+    ('eps', math.inf), ('weight_decay', -0.1), ('weight_decay', math.nan),
+    ('clip_grad_norm', -1.0), ('clip_grad_norm', math.inf), ('z_loss', -1e-5),
+    ('loss_chunk', 0), ('skip_window', 5), ('skip_sigma', 0.0),
+])
+def test_bad_values_are_refused_naming_the_field_and_the_fix(field, value):
+  cfg = _opt_cfg(**{field: value})
+  with pytest.raises(ValueError) as error:
+    optim.make_optimizer(cfg)
+  assert f'cfg.opt.{field}={value!r} must be' in str(error.value)
+  assert f'set --config.opt.{field}' in str(error.value)
+
+
+def test_no_clipping_is_allowed():
+  optim.check_config(_opt_cfg(clip_grad_norm=0.0))  # 0 means off (OLMo-core max_grad_norm=None)
+
+
 def test_schedule_errors():
   with pytest.raises(ValueError, match='schedule'):
     optim.lr_schedule(_opt_cfg(schedule='cosin'))

@@ -18,6 +18,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -134,22 +135,38 @@ def assert_states_equal(a, b) -> None:
     assert np.array_equal(x, y), jax.tree_util.keystr(path)
 
 
-def child_command(workdir, token_files, *, devices: int, steps: int = STEPS,
-                  hang_at: int | None = None) -> tuple[list[str], dict[str, str]]:
-  """train.py's own CLI in a fresh process; `hang_at`: block fetching that batch index."""
-  script = ('import sys, time\n'
+def child_command(workdir, token_files, *flags: str, devices: int, steps: int = STEPS,
+                  hang_at: int | None = None, release: pathlib.Path | None = None,
+                  settle_saves_at: int | None = None, max_file_bytes: int | None = None
+                  ) -> tuple[list[str], dict[str, str]]:
+  """train.py's own CLI in a fresh process, with hooks into fetching batch i and its files.
+
+  `hang_at`: block fetching that batch until `release` exists (forever without).
+  `settle_saves_at`: before returning that batch, wait until no checkpoint save
+  is in flight, so the step it feeds is the first to see how the save ended.
+  `max_file_bytes`: the largest file the process may write (writes beyond fail
+  with EFBIG, as they would with ENOSPC on a full disk).
+  """
+  limit = ('signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'  # EFBIG, not a kill
+           f'resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes}, {max_file_bytes}))\n'
+           if max_file_bytes else '')
+  script = ('import os, resource, signal, sys, threading, time\n' + limit +
             f'sys.path.insert(0, {str(REPO)!r})\n'
             'import data, train\n'
-            f'hang_at = {hang_at!r}\n'
+            f'hang_at, release, settle_at = {hang_at!r}, {release and str(release)!r}, '
+            f'{settle_saves_at!r}\n'
             'fetch = data.Loader.__next__\n'
-            'def next_or_hang(self):\n'
-            '  while self.step == hang_at:\n'
-            '    time.sleep(1)\n'
+            'def hooked_next(self):\n'
+            '  while self.step == hang_at and not (release and os.path.exists(release)):\n'
+            '    time.sleep(0.1)\n'
+            '  while self.step == settle_at and any(t.name.startswith("checkpoint-save") '
+            'and t.is_alive() for t in threading.enumerate()):\n'
+            '    time.sleep(0.01)\n'
             '  return fetch(self)\n'
-            'data.Loader.__next__ = next_or_hang\n'
+            'data.Loader.__next__ = hooked_next\n'
             'train.run()\n')
   argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0',
-          *config_flags(token_files), f'--config.train.steps={steps}']
+          *config_flags(token_files), f'--config.train.steps={steps}', *flags]
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
   return argv, env
 
@@ -479,3 +496,170 @@ def test_state_fit_check_uses_the_sharded_bytes(token_files, monkeypatch):
   monkeypatch.setattr(train, 'device_memory_bytes', lambda: (params + opt - 1, 'test'))
   with pytest.raises(MemoryError, match='per device'):
     train.check_state_fits(cfg, mesh)
+
+
+# --- Bad input through the CLI: one line naming the fix, nothing lost -------------------
+
+
+def run_cli(workdir, token_files, *flags: str, config: str = 'configs/small.py',
+            script: str = 'train.py', devices: int = 8) -> subprocess.CompletedProcess:
+  """`python train.py --config=... --workdir=...` with the tiny config's overrides."""
+  argv = [sys.executable, script, f'--config={config}', *config_flags(token_files), *flags]
+  if script == 'train.py':
+    argv += [f'--workdir={workdir}', '--sample_tokens=0']
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def error_line(stderr: str) -> str:
+  """The one `error: ...` line a refused command prints; no traceback."""
+  assert 'Traceback' not in stderr, stderr[-3000:]
+  lines = [line for line in stderr.splitlines() if line.startswith('error: ')]
+  assert len(lines) == 1, stderr[-3000:]
+  return lines[0]
+
+
+@pytest.mark.parametrize('flags, config, script, named', [
+    (['--config.train.stpes=5'], 'configs/small.py', 'train.py',
+     ["--config.train.stpes: train has no field 'stpes'", 'did you mean --config.train.steps?']),
+    (['--config.trian.steps=5'], 'configs/small.py', 'train.py',
+     ["no field 'trian'", 'did you mean --config.train?']),
+    ([], 'configs/smal.py', 'train.py',
+     ['--config=configs/smal.py: no such file', 'did you mean --config=configs/small.py?']),
+    (['--config.model.num_layrs=2'], 'configs/small.py', 'plan.py',
+     ["model has no field 'num_layrs'", 'did you mean --config.model.num_layers?']),
+    ([], 'configs/nothing.py', 'plan.py', ['--config=configs/nothing.py: no such file']),
+    (['--config.opt.lr=inf'], 'configs/small.py', 'train.py',
+     ['cfg.opt.lr=inf must be a finite number > 0', 'set --config.opt.lr']),
+    (['--config.opt.b2=1.0'], 'configs/small.py', 'train.py', ['cfg.opt.b2=1.0 must be in [0, 1)']),
+    (['--config.train.max_loss=nan'], 'configs/small.py', 'train.py',
+     ['cfg.train.max_loss=nan must be a number > 0', 'set --config.train.max_loss']),
+])
+def test_cli_mistakes_are_one_line_and_write_nothing(token_files, tmp_path, flags, config,
+                                                      script, named):
+  proc = run_cli(tmp_path / 'run', token_files, *flags, config=config, script=script)
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == error_line(proc.stderr)  # the only output
+  for text in named:
+    assert text in proc.stderr
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.fixture
+def resumable(reference, tmp_path) -> pathlib.Path:
+  """A workdir holding only the reference run's final checkpoint (step STEPS)."""
+  ckpts = tmp_path / 'run' / 'checkpoints'
+  shutil.copytree(reference[0] / 'checkpoints' / f'step_{STEPS}', ckpts / f'step_{STEPS}')
+  return tmp_path / 'run'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('flags, rc, named', [
+    (['--config.data.seed=1', '--config.model.mlp_hidden=96', '--config.opt.lr=1e-3'], 1,
+     ['error: The checkpoint at step 8 was trained with other settings',
+      'data.seed: 34521 -> 1; model.mlp_hidden: 128 -> 96.',
+      '--config.train.allow_config_change=True', 'opt.lr: 0.003 -> 0.001']),
+    (['--config.train.steps=4'], 1,
+     ["error: train.steps=4 is below the checkpoint's step 8", 'Set --config.train.steps above 8']),
+    (['--config.data.seed=1', '--config.train.allow_config_change=True'], 0,
+     ['data.seed: 34521 -> 1', 'this run is complete']),
+])
+def test_resume_with_a_changed_config(resumable, token_files, flags, rc, named):
+  """Every changed field is logged; run-defining ones and steps behind the checkpoint refused."""
+  ckpts = resumable / 'checkpoints'
+  before = {p: p.read_bytes() for p in ckpts.rglob('*') if p.is_file()}
+  proc = run_cli(resumable, token_files, *flags)
+  assert proc.returncode == rc, proc.stderr[-3000:]
+  for text in named:
+    assert text in proc.stdout + proc.stderr, proc.stderr[-3000:]
+  if rc:
+    error_line(proc.stderr)
+    assert not (resumable / 'metrics.jsonl').exists()
+  assert {p: p.read_bytes() for p in ckpts.rglob('*') if p.is_file()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('lr, flags, trip, reason', [
+    # The first step at LR 1e10 turns the params into NaN factories: every
+    # later step is skipped (max_consecutive_skips, lowered to fit the test).
+    (1e10, ['--config.train.max_consecutive_skips=3'], 12,
+     'steps 10-12 were all skipped'),
+    # LR 30 leaves the loss finite but ~8000 at the next step: caught by the
+    # default max_loss alone (the skip rule needs 64 steps of history first).
+    (30.0, [], 10, 'the CE loss of step 10 is'),
+])
+def test_divergence_stops_and_keeps_the_last_healthy_checkpoint(
+    reference, resumable, token_files, lr, flags, trip, reason):
+  """The healthy reference run resumed at step 8 with a destructive LR, keep_last=2.
+
+  Without the guard the run goes on to step 14, exits 0, and retention keeps
+  only steps 12 and 14: the healthy step 8 is gone.
+  """
+  proc = run_cli(resumable, token_files, f'--config.opt.lr={lr}', '--config.train.steps=14',
+                 '--config.train.keep_last=2', *flags)
+  assert proc.returncode == train.EXIT_DIVERGED, proc.stderr[-3000:]
+  message = [line for line in proc.stderr.splitlines() if line.startswith('DIVERGED: ')]
+  assert len(message) == 1 and reason in message[0], proc.stderr[-3000:]
+  assert f'Stopped at step {trip}' in message[0]
+  assert 'The last healthy checkpoint is step 8' in message[0]
+  assert f'--config.opt.lr, now {lr:g}' in message[0]
+
+  ckpts = str(resumable / 'checkpoints')
+  assert checkpoint.latest_healthy_step(ckpts) == STEPS and committed(resumable)[-1] == trip
+  assert STEPS in committed(resumable)
+  assert reason in checkpoint.read_metadata(ckpts, trip)['diverged']
+  assert_states_equal(host_state(tiny_config(token_files), resumable, STEPS), reference[2])
+  final = read_metrics(resumable)[trip]
+  assert final['guard/diverged'] == 1.0 and reason in final['guard/reason']
+  events = read_events(resumable / 'tensorboard')[trip]
+  assert events['guard/diverged'] == 1.0 and 'guard/reason/text_summary' in events
+
+
+@pytest.mark.slow
+def test_second_run_on_a_workdir_fails_fast_and_the_first_finishes(reference, token_files,
+                                                                   tmp_path):
+  _, ref_metrics, ref_state = reference
+  workdir, release = tmp_path / 'run', tmp_path / 'release'
+  argv, env = child_command(workdir, token_files, devices=8, hang_at=3, release=release)
+  first = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 300
+    while logged_steps(workdir) < 3:  # the first run is training, its lock held
+      assert first.poll() is None, first.stdout.read()
+      assert time.time() < deadline, 'the first run never reached step 3'
+      time.sleep(0.2)
+    start = time.time()
+    second = run_cli(workdir, token_files)
+    seconds = time.time() - start
+    release.touch()
+    out, _ = first.communicate(timeout=300)
+  finally:
+    first.kill()
+  assert second.returncode == 1 and seconds < 60, (seconds, second.stderr[-3000:])
+  line = error_line(second.stderr)
+  assert f'in use by another training run (host {socket.gethostname()}, PID {first.pid}' in line
+  assert 'step' not in second.stdout  # it trained nothing
+  assert first.returncode == 0, out[-3000:]
+  assert committed(workdir) == [2, 4, 6, 8]
+  assert replayed(read_metrics(workdir)) == replayed(ref_metrics)
+  assert_states_equal(host_state(tiny_config(token_files), workdir, STEPS), ref_state)
+
+
+@pytest.mark.slow
+def test_failed_background_save_stops_the_next_step(token_files, tmp_path):
+  """A 32 KB file-size limit fails the step-2 save (a 64 KB embedding) in the background.
+
+  The hook holds batch 2 until that save has ended, so step 3 is the first to
+  poll: the run stops there, where without polling it trained on to step 4
+  and learned of the failure only from the next save.
+  """
+  argv, env = child_command(tmp_path, token_files, '--config.train.eval_every=0', devices=1,
+                            settle_saves_at=2, max_file_bytes=32 << 10)
+  for name in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'):
+    env.pop(name)  # its entries would exceed the limit too
+  proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert 'CheckpointSaveError: Checkpoint save of step 2' in proc.stderr, proc.stderr[-3000:]
+  assert 'File too large' in proc.stderr
+  assert logged_steps(tmp_path) == 2 and committed(tmp_path) == []
