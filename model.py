@@ -39,6 +39,10 @@ import kernels
 
 Params = dict[str, dict[str, jax.Array]]
 BATCH_AXES = ('data', 'fsdp')  # mesh axes the batch is split over (train.make_mesh)
+# The config fields that fix the weights' shapes and the function they compute.
+ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
+                      'mlp_hidden', 'vocab_size', 'layer_pattern', 'sliding_window',
+                      'rope_theta', 'norm_eps')
 
 # Which activations a remat'd scan group keeps for the backward pass. 'full'
 # recomputes everything but the group's input; the save-lists keep the named

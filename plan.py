@@ -45,6 +45,7 @@ from ml_collections import config_flags
 import numpy as np
 
 import data
+import guards
 import kernels
 import model
 import train
@@ -297,4 +298,4 @@ if __name__ == '__main__':
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
   FLAGS = flags.FLAGS
-  app.run(main, flags_parser=train.parse_flags)  # config mistakes in one line
+  app.run(main, flags_parser=guards.parse_flags)  # config mistakes in one line
