@@ -157,8 +157,11 @@ def _during_save(ckpt: pathlib.Path, timeout: float = 10) -> bool:
 def test_sigkills_and_sigterm_under_the_launcher_end_bit_exact(reference, tmp_path):
   seed = int(time.time())
   rng = np.random.default_rng(seed)
-  kill_steps = sorted(int(s) for s in rng.choice(np.arange(2, STEPS - 2), 3, replace=False))
-  kill_steps.append(STEPS - 1)
+  # SIGKILLs in steps 2-6, SIGTERM after step 7: the trainer acts on SIGTERM at
+  # the end of the step it lands in, so it needs steps left to land in (one
+  # after the last step's check would let the run finish with exit 0).
+  kill_steps = sorted(int(s) for s in rng.choice(np.arange(2, STEPS - 3), 3, replace=False))
+  kill_steps.append(STEPS - 3)
   workdir = tmp_path / 'run'
   launcher = subprocess.Popen(
       [sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0', '--max_failures=3',
