@@ -71,7 +71,7 @@ class Compiled:
 
 @dataclasses.dataclass
 class Plan:
-  """The dry run's numbers for the target mesh (bytes per device)."""
+  """The planner's numbers for the target mesh (bytes per device)."""
   param_count: int
   flops_per_token: int
   flops_per_step: int
@@ -107,7 +107,7 @@ def compile_config(cfg: ml_collections.ConfigDict, platform: str
 
 def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  rows = NamedSharding(mesh, P(train.BATCH_AXES, None))
+  rows = train.batch_sharding(mesh)
   batch = {'tokens': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'labels': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'instance_mask': jax.ShapeDtypeStruct(
