@@ -577,7 +577,8 @@ def restore_or_init(cfg: ml_collections.ConfigDict, mesh: Mesh, ckpt: checkpoint
     guards.check_resume(cfg, checkpoint.read_metadata(ckpt.directory, latest))
   except checkpoint.CorruptCheckpointError:
     pass  # restore_latest_good sets it aside and falls back; checked below
-  state, meta = ckpt.restore_latest_good(abstract_state(cfg, mesh))  # straight into its shards
+  target = abstract_state(cfg, mesh)
+  state, meta = ckpt.restore_latest_good(target)  # straight into its shards
   if meta['step'] != latest:
     guards.check_resume(cfg, meta)
   if 'diverged' in meta:
@@ -585,7 +586,7 @@ def restore_or_init(cfg: ml_collections.ConfigDict, mesh: Mesh, ckpt: checkpoint
                     '(%s); the last healthy checkpoint is step %s.', meta['step'],
                     meta['diverged'], ckpt.latest_healthy_step())
   logging.info('Resumed from step %d in %s.', meta['step'], ckpt.directory)
-  return state, state_shardings(abstract_state(cfg), mesh), meta['data']
+  return state, jax.tree.map(lambda x: x.sharding, target), meta['data']
 
 
 def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset, mesh: Mesh,
