@@ -1,0 +1,231 @@
+"""Downloads the token files of a mix and writes a local mix file for train.py.
+
+A mix is a file of `label,path` lines (OLMo-core ships Ai2's under
+olmo_core/data/mixes/: stage 1 `OLMo-mix-0925-official`, stage-2 midtraining
+`OLMo-midtraining-mix-0925-ingredient1-100B`, ..., stage-3 long context
+`OLMo-longmino-mix-0925`); each path, with `{TOKENIZER}` substituted, is
+joined to --base_url. Files land under --output_dir with the same relative
+paths, through download.py (parallel, resumed, retried, verified); a local
+mix `label,absolute path,bytes` is written only once every file is in place:
+
+  python scripts/fetch_data.py --mix=OLMo-mix-0925-official --output_dir=/data/olmo3 --list
+  python scripts/fetch_data.py --mix=OLMo-mix-0925-official --output_dir=/data/olmo3
+  python train.py --config=configs/olmo3_7b.py --workdir=W \
+      --config.data.mix_file=/data/olmo3/OLMo-mix-0925-official.txt
+
+--list prints files, bytes and tokens per source (from HEAD requests) and
+downloads nothing. Rerunning a fetch resumes partial files and skips
+complete ones.
+"""
+
+import collections
+import concurrent.futures
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402  (the repository root must be on the path first)
+import download  # noqa: E402
+
+_MIX = flags.DEFINE_string('mix', None, 'A mix name from olmo_core/data/mixes/ (e.g. '
+                           'OLMo-mix-0925-official) or a path to a mix file.')
+_BASE_URL = flags.DEFINE_string(
+    'base_url', 'https://olmo-data.org', "Root the mix's paths are joined to (OLMo-core's "
+    'default --data-root; a gs:// or s3:// bucket prefix, or a local directory, also work).')
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Where the files (and the local mix) go.')
+_TOKENIZER_ID = flags.DEFINE_string(
+    'tokenizer_id', '', "Substituted for {TOKENIZER}; '' -> OLMo-core's id for dolma2 and this "
+    'mix (allenai/dolma3-tokenizer for the Olmo 3 mixes).')
+_LIST = flags.DEFINE_bool('list', False, 'Print files, bytes and tokens per source; download '
+                          'nothing.')
+_LABELS = flags.DEFINE_list('labels', [], 'Only these sources (mix labels); default all.')
+_MAX_FILES = flags.DEFINE_integer('max_files', 0, 'Only the first N files (0: all), to try a '
+                                  'mix out.')
+_CHECKSUMS = flags.DEFINE_string('checksums', '', 'A sha256sum-style file (`HEX  relative/path` '
+                                 'lines) when the source publishes checksums.')
+_SKIP_MISSING = flags.DEFINE_bool(
+    'skip_missing', False, 'Write the local mix without files the server does not have (404). '
+    "The instance ids, and so the data order, then differ from Ai2's run.")
+_LOCAL_MIX = flags.DEFINE_string('local_mix', '', "Local mix file to write; '' -> "
+                                 'OUTPUT_DIR/<mix name>.txt.')
+_SEQ_LEN = flags.DEFINE_integer('seq_len', 8192, '--list: instances per source at this length '
+                                '(OLMo-core pretrain-1: 8192).')
+_WORKERS = flags.DEFINE_integer('workers', 8, 'Parallel downloads (and HEAD requests).')
+_RETRIES = flags.DEFINE_integer('retries', 5, 'Retries per file after a failure.')
+_TIMEOUT = flags.DEFINE_float('timeout', 60.0, 'Seconds without progress before a retry.')
+
+# OLMo-core DataMix.build: the Olmo 3 mixes were tokenized under the name
+# allenai/dolma3-tokenizer (the same tokenizer as dolma2); the perplexity sets
+# use short names. Any other mix uses the tokenizer's own id.
+_OLMO3_MIXES = ('OLMo-mix-0625-official', 'OLMo-mix-0925-official',
+                'OLMo-midtraining-mix-0625-100B', 'OLMo-midtraining-mix-0925-ingredient1-100B',
+                'OLMo-midtraining-mix-0925-ingredient2-100B', 'OLMo-longmino-mix-0625',
+                'OLMo-longmino-mix-0925')
+_SHORT_ID_MIXES = ('v3-small-ppl-validation', 'c4-ppl-validation', 'code-fresh-ppl-validation')
+DOLMA2_ID = 'allenai/dolma2-tokenizer'
+
+
+def mixes_dir() -> str:
+  """olmo_core/data/mixes in the installed ai2-olmo-core wheel."""
+  try:
+    import olmo_core  # the test extra provides it; only mix names need it  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise FileNotFoundError('mix names are looked up in the ai2-olmo-core wheel, which is not '
+                            "installed: pip install 'ai2-olmo-core==3.0.0', or pass --mix as "
+                            'a path to a mix file.') from e
+  return os.path.join(os.path.dirname(olmo_core.__file__), 'data', 'mixes')
+
+
+def mix_file(mix: str) -> str:
+  """The mix file for a name (olmo_core/data/mixes/NAME.txt) or a path."""
+  if os.path.isfile(mix):
+    return mix
+  if os.sep in mix:
+    raise FileNotFoundError(f'--mix {mix!r}: no such file.')
+  directory = mixes_dir()
+  path = os.path.join(directory, mix.removesuffix('.txt') + '.txt')
+  if not os.path.isfile(path):
+    names = sorted(n[:-4] for n in os.listdir(directory) if n.endswith('.txt'))
+    raise FileNotFoundError(f'--mix {mix!r} is neither a file nor a mix OLMo-core ships; its '
+                            f'mixes are: {", ".join(names)}.')
+  return path
+
+
+def tokenizer_id(mix: str) -> str:
+  """OLMo-core's {TOKENIZER} substitution for the dolma2 tokenizer and this mix."""
+  name = os.path.basename(mix).removesuffix('.txt')
+  if name in _OLMO3_MIXES:
+    return 'allenai/dolma3-tokenizer'
+  if name in _SHORT_ID_MIXES:
+    return 'dolma2-tokenizer'
+  return DOLMA2_ID
+
+
+def read_checksums(path: str) -> dict[str, str]:
+  """{relative path: sha256 hex} from `HEX  path` lines (sha256sum's format)."""
+  sums = {}
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      digest, _, name = line.strip().partition(' ')
+      if len(digest) != 64 or not name.strip():
+        raise ValueError(f'{path}:{line_no}: expected `SHA256HEX  relative/path`, got {line!r}.')
+      sums[name.strip().lstrip('*').lstrip('/')] = digest.lower()
+  return sums
+
+
+def entries(mix: str, tok_id: str = '', labels: tuple[str, ...] = (),
+            max_files: int = 0) -> list[tuple[str, str]]:
+  """(label, relative path) per file of the mix, in mix order, filtered."""
+  rel_paths, mix_labels, _ = data.read_mix(mix_file(mix), tokenizer_id=tok_id or tokenizer_id(mix))
+  unknown = set(labels) - set(mix_labels)
+  if unknown:
+    raise ValueError(f'--labels {sorted(unknown)} are not in the mix; its labels are '
+                     f'{sorted(set(mix_labels))}.')
+  out = [(l, p) for l, p in zip(mix_labels, rel_paths) if not labels or l in labels]
+  return out[:max_files] if max_files else out
+
+
+def url_of(base_url: str, rel_path: str) -> str:
+  if '://' in rel_path or os.path.isabs(rel_path):
+    return rel_path
+  return base_url.rstrip('/') + '/' + rel_path  # OLMo-core DataMix.build: f'{base_dir}{path}'
+
+
+def sizes(urls: list[str], workers: int = 8,
+          timeout: float = 60.0) -> list[int | None | download.DownloadError]:
+  """Remote size of each URL (HEAD), None if unknown, or the DownloadError (404, ...)."""
+  def one(url):
+    try:
+      return download.remote_size(url, timeout=timeout)
+    except download.DownloadError as e:
+      return e
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    return list(pool.map(one, urls))
+
+
+def summarize(files: list[tuple[str, str]], found: list, seq_len: int) -> str:
+  """The --list table: files, bytes, tokens and instances per source, then the total."""
+  rows: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
+  for (label, _), size in zip(files, found):
+    row = rows[label]
+    if isinstance(size, int):
+      row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + size, row[2] + size // 4, \
+          row[3] + size // 4 // seq_len
+    else:
+      row[4] += 1  # missing or size unknown
+  total = [sum(r[i] for r in rows.values()) for i in range(5)]
+  width = max([len(l) for l in rows] + [6])
+  lines = [f'{"source":<{width}} {"files":>7} {"bytes":>19} {"tokens":>17} '
+           f'{"instances@" + str(seq_len):>15} {"unavailable":>11}']
+  for label, r in [*rows.items(), ('TOTAL', total)]:
+    lines.append(f'{label:<{width}} {r[0]:>7,} {r[1]:>19,} {r[2]:>17,} {r[3]:>15,} {r[4]:>11,}')
+  return '\n'.join(lines)
+
+
+def write_local_mix(path: str, rows: list[tuple[str, str, int]], header: str) -> None:
+  """Writes `label,path,bytes` lines atomically (data.read_mix reads them)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(f'# {header}\n')
+    for label, file, size in rows:
+      if ',' in label or ',' in file:
+        raise ValueError(f'{label},{file}: a comma in a label or path breaks the mix format.')
+      f.write(f'{label},{file},{size}\n')
+  os.replace(tmp, path)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not _MIX.value:
+    raise app.UsageError('--mix is required (a name from olmo_core/data/mixes/ or a file).')
+  if not _LIST.value and not _OUTPUT_DIR.value:
+    raise app.UsageError('--output_dir is required to download (or pass --list).')
+  try:
+    files = entries(_MIX.value, _TOKENIZER_ID.value, tuple(_LABELS.value), _MAX_FILES.value)
+    urls = [url_of(_BASE_URL.value, p) for _, p in files]
+    found = sizes(urls, _WORKERS.value, _TIMEOUT.value)
+    missing = [(u, s) for u, s in zip(urls, found) if isinstance(s, download.DownloadError)]
+    if _LIST.value:
+      print(summarize(files, found, _SEQ_LEN.value))
+      for url, err in missing:
+        print(f'unavailable: {url}: {err}', file=sys.stderr)
+      return 1 if missing else 0
+    if missing and not _SKIP_MISSING.value:
+      shown = '\n  '.join(str(e) for _, e in missing[:10])
+      sys.exit(f'error: {len(missing)} of {len(files)} files are unavailable:\n  {shown}\n'
+               'Fix --base_url (or the mix), or pass --skip_missing to leave them out (the '
+               "data order then differs from Ai2's). Nothing was downloaded.")
+    local = _LOCAL_MIX.value or os.path.join(_OUTPUT_DIR.value,
+                                             os.path.basename(mix_file(_MIX.value)))
+    if os.path.abspath(local) == os.path.abspath(mix_file(_MIX.value)):
+      raise ValueError(f'the local mix {local} would overwrite --mix; pass --local_mix=OTHER.txt.')
+    sums = read_checksums(_CHECKSUMS.value) if _CHECKSUMS.value else {}
+    keep = [(l, p, u, s) for (l, p), u, s in zip(files, urls, found)
+            if not isinstance(s, download.DownloadError)]
+    items = [download.Item(u, os.path.join(_OUTPUT_DIR.value, p), size=s,
+                           sha256=sums.get(p)) for _, p, u, s in keep]
+    report = download.fetch(items, workers=_WORKERS.value, retries=_RETRIES.value,
+                            timeout=_TIMEOUT.value)
+  except (download.DownloadError, FileNotFoundError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  rows = [(l, os.path.abspath(i.dest), os.path.getsize(i.dest)) for (l, *_), i in zip(keep, items)]
+  write_local_mix(local, rows, f'{len(rows)} files from {_MIX.value} at {_BASE_URL.value}; '
+                  'written by scripts/fetch_data.py')
+  print(f'{report.downloaded} downloaded, {report.skipped} already complete; '
+        f'{report.bytes:,} bytes transferred, {report.total_bytes:,} bytes in {len(rows)} files')
+  if missing:
+    print(f'WARNING: {len(missing)} unavailable files were left out; the data order differs '
+          "from Ai2's.", file=sys.stderr)
+  print(f'local mix: {local}  (--config.data.mix_file={local})')
+  return 0
+
+
+if __name__ == '__main__':
+  app.run(main)
