@@ -27,6 +27,7 @@ import hashlib
 import mmap
 import os
 import queue
+import random
 import threading
 import uuid
 from typing import Any, Iterator, NamedTuple, Sequence
@@ -98,6 +99,56 @@ def remap_path(path: str, path_remap: Sequence[str]) -> str:
     if path.startswith(prefix):
       return replacement + path[len(prefix):]
   return path
+
+
+def source_order(num_files: int, seed: int | None) -> list[int]:
+  """The file order OLMo-core trains on for `source_permutation_seed` (None: mix order).
+
+  OLMo-core NumpyDatasetConfig._resolve_paths_metadata shuffles the file list
+  (and its labels) with Python's `random.Random(seed).shuffle` before building
+  the dataset, so groups and instance ids follow the shuffled order.
+  """
+  order = list(range(num_files))
+  if seed is not None:
+    random.Random(seed).shuffle(order)
+  return order
+
+
+def config_sources(cfg_data: Any, paths: Sequence[str] | None = None
+                   ) -> tuple[list[str], list[str] | None, list[int | None] | None, str]:
+  """(paths, labels, listed sizes, what to call them) for cfg.data; `paths` overrides it.
+
+  The training set (no `paths`) is put in cfg.data.source_permutation_seed's
+  order; explicit `paths` (held-out sets) keep theirs.
+  """
+  base_dir = cfg_data.base_dir
+  remap = tuple(cfg_data.get('path_remap', ()))
+  labels = sizes = None
+  training = paths is None
+  if training and cfg_data.mix_file:
+    if cfg_data.paths:
+      raise ValueError('cfg.data.mix_file and cfg.data.paths are both set; keep one.')
+    paths, labels, sizes = read_mix(cfg_data.mix_file, base_dir=base_dir,
+                                    tokenizer_id=cfg_data.tokenizer_id, path_remap=remap)
+    source = f'mix file {cfg_data.mix_file}'
+  else:
+    if training and not cfg_data.paths:
+      raise ValueError('No training data configured: cfg.data.mix_file and cfg.data.paths are '
+                       'both empty. Set --config.data.mix_file=MIX_FILE (label,path lines; '
+                       'relative paths resolve against --config.data.base_dir=ROOT) or '
+                       '--config.data.paths=FILE[,FILE...] (uint32 token files); see '
+                       'docs/data.md.')
+    source = 'cfg.data.paths' if training else 'paths'
+    paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
+                        else os.path.join(base_dir, p), remap)
+             for p in (cfg_data.paths if training else paths)]
+  seed = cfg_data.get('source_permutation_seed', None)
+  if training and seed is not None:
+    order = source_order(len(paths), seed)
+    paths = [paths[i] for i in order]
+    labels = labels and [labels[i] for i in order]
+    sizes = sizes and [sizes[i] for i in order]
+  return paths, labels, sizes, source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +277,17 @@ def _vocab_error(path: str, token: int, offset: int, vocab_size: int, why: str) 
 # The dataset.
 
 
+def _fingerprint(class_name: str, fields: dict[str, Any], files: Sequence[TokenFile]) -> str:
+  """OLMo-core `NumpyDatasetBase.fingerprint`: sha256 of the class, fields, base names and sizes."""
+  h = hashlib.sha256(f'class={class_name}'.encode())
+  for name, value in fields.items():
+    h.update(f'{name}={value},'.encode())
+  for f in files:
+    h.update(f'path={os.path.basename(f.path)},size={f.size},'.encode())
+  return h.hexdigest()
+
+
+
 class Dataset:
   """OLMo-core's `NumpyFSLDataset` over uint32 token files: instance i as int32 [T]."""
 
@@ -271,26 +333,7 @@ class Dataset:
   @classmethod
   def from_config(cls, cfg_data: Any, paths: Sequence[str] | None = None) -> 'Dataset':
     """Builds the training set from cfg.data (mix_file or paths); `paths` overrides both."""
-    base_dir = cfg_data.base_dir
-    remap = tuple(cfg_data.get('path_remap', ()))
-    labels = sizes = None
-    if paths is None and cfg_data.mix_file:
-      if cfg_data.paths:
-        raise ValueError('cfg.data.mix_file and cfg.data.paths are both set; keep one.')
-      paths, labels, sizes = read_mix(cfg_data.mix_file, base_dir=base_dir,
-                                      tokenizer_id=cfg_data.tokenizer_id, path_remap=remap)
-      source = f'mix file {cfg_data.mix_file}'
-    else:
-      if paths is None and not cfg_data.paths:
-        raise ValueError('No training data configured: cfg.data.mix_file and cfg.data.paths are '
-                         'both empty. Set --config.data.mix_file=MIX_FILE (label,path lines; '
-                         'relative paths resolve against --config.data.base_dir=ROOT) or '
-                         '--config.data.paths=FILE[,FILE...] (uint32 token files); see '
-                         'docs/data.md.')
-      source = 'paths' if paths is not None else 'cfg.data.paths'
-      paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
-                          else os.path.join(base_dir, p), remap)
-               for p in (paths if paths is not None else cfg_data.paths)]
+    paths, labels, sizes, source = config_sources(cfg_data, paths)
     return cls(paths, seq_len=cfg_data.seq_len, vocab_size=cfg_data.vocab_size,
                eos_token_id=cfg_data.eos_token_id, pad_token_id=cfg_data.pad_token_id,
                bos_token_id=cfg_data.get('bos_token_id', None),
@@ -308,12 +351,7 @@ class Dataset:
   @property
   def fingerprint(self) -> str:
     """OLMo-core `NumpyDatasetBase.fingerprint` for a `NumpyFSLDataset` (sha256 hex)."""
-    h = hashlib.sha256(b'class=NumpyFSLDataset')
-    for name, value in self.fingerprint_fields.items():
-      h.update(f'{name}={value},'.encode())
-    for f in self.files:
-      h.update(f'path={os.path.basename(f.path)},size={f.size},'.encode())
-    return h.hexdigest()
+    return _fingerprint('NumpyFSLDataset', self.fingerprint_fields, self.files)
 
   def _map(self, f: int) -> tuple[mmap.mmap, np.ndarray]:
     """File f's mmap and its tokens as a uint32 array view (least-recently-used cache)."""
@@ -370,6 +408,398 @@ class Dataset:
           t = int(np.argmax(chunk >= self.vocab_size))
           raise _vocab_error(file.path, chunk[t], start + t, self.vocab_size,
                              'the file was made with another tokenizer or is corrupt')
+
+
+# ----------------------------------------------------------------------------
+# The packed dataset (stage 3): OLMo-core's NumpyPackedFSLDataset.
+
+LONG_DOC_STRATEGIES = ('truncate', 'fragment')  # OLMo-core LongDocStrategy values
+_SCAN_CHUNK = 1 << 24  # tokens read at a time while finding document ends (64 MiB)
+_PACK_VERSION = 'v1'  # part of every packing cache name: tick if the packing or layout changes
+
+
+def document_ends(tokens: np.ndarray, eos_token_id: int, bos_token_id: int | None = None,
+                  chunk: int = _SCAN_CHUNK) -> np.ndarray:
+  """int64 exclusive end offsets of the documents in a token array, read `chunk` at a time.
+
+  OLMo-core iter_document_indices on a local array: a document ends at each EOS
+  or, with a BOS id, at each EOS followed by a BOS and at a final EOS. Tokens
+  after the last end belong to no document and are never trained on. Reading
+  in chunks keeps memory bounded on multi-GB files (a memmap in, ~1.25 bytes
+  per token of the chunk out).
+  """
+  n, ends = tokens.shape[0], []
+  for a in range(0, n, chunk):
+    x = np.asarray(tokens[a:a + chunk + 1])  # one token past the chunk: a BOS after its last EOS
+    if bos_token_id is None:
+      hit = x[:chunk] == eos_token_id
+    else:
+      hit = (x[:-1] == eos_token_id) & (x[1:] == bos_token_id)
+    ends.append(np.flatnonzero(hit) + (a + 1))
+  if bos_token_id is not None and n and tokens[n - 1] == eos_token_id:
+    ends.append(np.array([n]))
+  return np.concatenate(ends).astype(np.int64) if ends else np.zeros(0, np.int64)
+
+
+def cap_documents(starts: np.ndarray, ends: np.ndarray, seq_len: int,
+                  strategy: str = 'truncate') -> tuple[np.ndarray, np.ndarray]:
+  """Documents longer than seq_len, cut as OLMo-core's long_doc_strategy says.
+
+  'truncate' keeps the first seq_len tokens (the rest is never trained on);
+  'fragment' splits the document into seq_len pieces and a remainder, kept in
+  place as separate documents (only the last one ends with EOS).
+  """
+  if strategy == 'truncate':
+    return starts, np.minimum(ends, starts + seq_len)
+  pieces = np.maximum(1, -(-(ends - starts) // seq_len))
+  k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number
+  new_starts = np.repeat(starts, pieces) + k * seq_len
+  return new_starts, np.minimum(np.repeat(ends, pieces), new_starts + seq_len)
+
+
+class _Capacities:
+  """The set of free capacities in [1, T) of open bins, with next-at-least queries.
+
+  A two-level bitmap of 64-bit words: O(1) Python operations per query and
+  update, where OLMo-core walks a segment tree of 2T node objects.
+  """
+
+  def __init__(self, seq_len: int):
+    self.words = [0] * ((seq_len >> 6) + 1)
+    self.summary = 0  # bit w set iff words[w] != 0
+
+  def add(self, c: int) -> None:
+    w = c >> 6
+    if not self.words[w]:
+      self.summary |= 1 << w
+    self.words[w] |= 1 << (c & 63)
+
+  def remove(self, c: int) -> None:
+    w = c >> 6
+    self.words[w] &= ~(1 << (c & 63))
+    if not self.words[w]:
+      self.summary &= ~(1 << w)
+
+  def at_least(self, length: int) -> int | None:
+    """The smallest capacity >= length in the set, or None."""
+    w = length >> 6
+    bits = self.words[w] >> (length & 63)
+    if bits:
+      return length + (bits & -bits).bit_length() - 1
+    rest = self.summary >> (w + 1)
+    if not rest:
+      return None
+    w += (rest & -rest).bit_length()
+    bits = self.words[w]
+    return (w << 6) + (bits & -bits).bit_length() - 1
+
+
+def best_fit_bins(lengths: Sequence[int], seq_len: int) -> np.ndarray:
+  """int64 bin of each document, packed in the given order (OLMo-core InstancePacker).
+
+  Each document goes to the open bin with the least free space that still
+  fits it; among bins with that space, the one that reached it first (FIFO);
+  with none, to a new bin. Bins are numbered in order of opening.
+  """
+  free, queues, bins, opened = _Capacities(seq_len), {}, [], 0
+  for length in lengths:
+    c = free.at_least(length)
+    if c is None:
+      b, space = opened, seq_len - length
+      opened += 1
+    else:
+      q = queues[c]
+      b, space = q.popleft(), c - length
+      if not q:
+        free.remove(c)
+    if space:
+      q = queues.setdefault(space, collections.deque())
+      if not q:
+        free.add(space)
+      q.append(b)
+    bins.append(b)
+  return np.array(bins, np.int64)
+
+
+def pack_documents(lengths: np.ndarray, seq_len: int, stable: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Best-fit-decreasing packing: (document ids instance by instance, offsets [I + 1]).
+
+  OLMo-core InstancePacker.pack_documents sorts by decreasing length with
+  numpy's default argsort, which is not stable: equal lengths come out in an
+  order that depends on the CPU's sort kernel (AVX-512 or not), so the same
+  files can pack differently on two machines. The default reproduces
+  OLMo-core on this machine; `stable` keeps equal lengths in file order, the
+  same everywhere.
+  """
+  if lengths.size and (lengths.min() < 1 or lengths.max() > seq_len):
+    raise ValueError(f'document lengths must lie in [1, {seq_len}]; got [{lengths.min()}, '
+                     f'{lengths.max()}] (cap them with cap_documents first).')
+  order = np.argsort(-lengths.astype(np.int64), kind='stable' if stable else None)
+  bins = best_fit_bins(lengths[order].tolist(), seq_len)
+  by_bin = np.argsort(bins, kind='stable')  # documents of bin 0, then bin 1, ...: in packing order
+  counts = np.bincount(bins, minlength=int(bins.max(initial=-1)) + 1)
+  return order[by_bin], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+class _Packing(NamedTuple):
+  """One source group's packing: instance i holds documents offsets[i]:offsets[i+1]."""
+  offsets: np.ndarray  # int64 [I + 1]
+  file: np.ndarray  # int64 [D]: file of each document, 0-based within the group
+  start: np.ndarray  # int64 [D]: its first token's offset in that file
+  length: np.ndarray  # int64 [D]
+
+  @classmethod
+  def from_flat(cls, flat: np.ndarray) -> '_Packing':
+    """Views into the cache layout [I, offsets (I + 1), file (D), start (D), length (D)]."""
+    i = int(flat[0])
+    d = (flat.size - i - 2) // 3
+    return cls(flat[1:i + 2], *flat[i + 2:].reshape(3, d))
+
+  def flat(self) -> np.ndarray:
+    return np.concatenate([[self.offsets.size - 1], self.offsets, self.file, self.start,
+                           self.length]).astype(np.int64)
+
+
+class PackedDataset:
+  """OLMo-core's `NumpyPackedFSLDataset` over uint32 token files: instance i as int32 [T].
+
+  Files are packed in groups of `source_group_size` consecutive files (after
+  the source permutation, which config_sources applies); documents never
+  cross groups, and group g owns the instance ids after those of groups < g,
+  in packing order. Instance i is its documents' tokens back to back, then
+  pad_token_id up to T. Packing reads only document ends, one file at a time,
+  and is cached on disk per group (docs/data.md).
+  """
+
+  _map = Dataset._map  # the same LRU of read-only file maps (uses files, _maps, _lock)
+  check_tokens = Dataset.check_tokens
+
+  def __init__(self, paths: Sequence[str], *, seq_len: int, vocab_size: int, eos_token_id: int,
+               pad_token_id: int, bos_token_id: int | None = None,
+               long_doc_strategy: str = 'truncate', source_group_size: int = 1,
+               stable_packing: bool = False, labels: Sequence[str] | None = None,
+               listed_sizes: Sequence[int | None] | None = None, cache_dir: str | None = None,
+               source: str = 'cfg.data.paths'):
+    """Packs (or loads the cached packing of) every group; `paths` in training order."""
+    if not paths:
+      raise ValueError(f'{source} is empty: the packed dataset needs at least one token file.')
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+      raise ValueError(f'seq_len must be a positive integer, got {seq_len!r}.')
+    if long_doc_strategy not in LONG_DOC_STRATEGIES:
+      raise ValueError(f'long_doc_strategy {long_doc_strategy!r} is not one of '
+                       f'{LONG_DOC_STRATEGIES} (OLMo-core LongDocStrategy); set '
+                       "cfg.data.long_doc_strategy='truncate' (Ai2's stage 3) or 'fragment'.")
+    if (isinstance(source_group_size, bool) or not isinstance(source_group_size, int)
+        or source_group_size < 1):
+      raise ValueError(f'source_group_size must be an integer >= 1 (files packed together), got '
+                       f'{source_group_size!r}; Ai2 stage 3 uses 8.')
+    labels = labels or [''] * len(paths)
+    listed_sizes = listed_sizes or [None] * len(paths)
+    self.files = tuple(inspect_file(p, l, s, vocab_size)
+                       for p, l, s in zip(paths, labels, listed_sizes))
+    self.seq_len, self.vocab_size = seq_len, vocab_size
+    self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+    self.bos_token_id = bos_token_id
+    self.long_doc_strategy, self.source_group_size = long_doc_strategy, source_group_size
+    self.stable_packing, self.cache_dir = bool(stable_packing), cache_dir or None
+    self.groups = [list(range(g, min(g + source_group_size, len(paths))))
+                   for g in range(0, len(paths), source_group_size)]
+    self._maps: collections.OrderedDict[int, tuple[mmap.mmap, np.ndarray]]
+    self._maps = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self.packings = [self._packing(g) for g in range(len(self.groups))]
+    counts = [p.offsets.size - 1 for p in self.packings]
+    self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # group g's first id
+    self.num_instances = int(self.starts[-1])
+    if self.num_instances == 0:
+      raise ValueError(f'{source} holds no document: no file has an EOS (id {eos_token_id}'
+                       + ('' if bos_token_id is None else f' followed by BOS {bos_token_id}')
+                       + '), so nothing can be packed. Check cfg.data.eos_token_id and the files.')
+    if self.num_instances >= np.iinfo(np.uint32).max:
+      raise ValueError(f'{self.num_instances} instances do not fit OLMo-core\'s uint32 order.')
+
+  @classmethod
+  def from_config(cls, cfg_data: Any, cache_dir: str | None = None) -> 'PackedDataset':
+    """The training set of cfg.data as OLMo-core's NumpyPackedFSLDatasetConfig builds it."""
+    paths, labels, sizes, source = config_sources(cfg_data)
+    return cls(paths, seq_len=cfg_data.seq_len, vocab_size=cfg_data.vocab_size,
+               eos_token_id=cfg_data.eos_token_id, pad_token_id=cfg_data.pad_token_id,
+               bos_token_id=cfg_data.get('bos_token_id', None),
+               long_doc_strategy=cfg_data.get('long_doc_strategy', 'truncate'),
+               source_group_size=cfg_data.get('source_group_size', 1),
+               stable_packing=cfg_data.get('stable_packing', False), labels=labels,
+               listed_sizes=sizes, cache_dir=cache_dir, source=source)
+
+  @property
+  def fingerprint_fields(self) -> dict[str, Any]:
+    """OLMo-core NumpyPackedFSLDataset.fingerprint_fields, in its order.
+
+    source_group_size enters only when > 1 (OLMo-core's backwards compatibility);
+    use_array_if_local is never set here (document ends come from the arrays).
+    """
+    fields = {'vocab_size': self.vocab_size, 'pad_token_id': self.pad_token_id,
+              'eos_token_id': self.eos_token_id, 'dtype': str(np.uint32),
+              'long_doc_strategy': self.long_doc_strategy, 'bos_token_id': self.bos_token_id,
+              'sequence_length': self.seq_len}
+    if self.source_group_size > 1:
+      fields['source_group_size'] = self.source_group_size
+    return fields
+
+  @property
+  def fingerprint(self) -> str:
+    """OLMo-core `NumpyDatasetBase.fingerprint` for a `NumpyPackedFSLDataset` (sha256 hex).
+
+    stable_packing is not in it: Ai2's own packing already varies by machine
+    while its fingerprint does not; the loader state records it instead.
+    """
+    return _fingerprint('NumpyPackedFSLDataset', self.fingerprint_fields, self.files)
+
+  def _cache_path(self, g: int) -> str | None:
+    """Group g's cache file: named by everything that decides its packing."""
+    if not self.cache_dir:
+      return None
+    h = hashlib.sha256(f'{_PACK_VERSION},{self.seq_len},{self.long_doc_strategy},'
+                       f'{self.eos_token_id},{self.bos_token_id},{self.stable_packing},'.encode())
+    for f in self.groups[g]:
+      file = self.files[f]
+      stat = os.stat(file.path)  # a rewritten file changes its size or mtime: a new name
+      h.update(f'{os.path.realpath(file.path)},{file.size},{stat.st_mtime_ns},'
+               f'{file.header},'.encode())
+    return os.path.join(self.cache_dir, f'packed_T{self.seq_len}_{h.hexdigest()[:40]}.bin')
+
+  def _packing(self, g: int) -> _Packing:
+    """Group g's packing: from its verified cache file, else packed now (and cached)."""
+    path = self._cache_path(g)
+    if path and os.path.exists(path):
+      cached = self._verified_packing(path, g)
+      if cached is not None:
+        return cached
+    packing = self._pack(g)
+    if not path:
+      return packing
+    os.makedirs(self.cache_dir, exist_ok=True)
+    flat = packing.flat()
+    _write_atomic(path, flat)  # the packing first: a reader never pairs a new sum with an old file
+    _write_atomic(path + _CHECKSUM_SUFFIX, _checksum(flat).encode())
+    return _Packing.from_flat(np.memmap(path, dtype=np.int64, mode='r'))
+
+  def _pack(self, g: int) -> _Packing:
+    """Finds every document of group g's files and packs them (OLMo-core
+    pack_documents_into_instances: the group's files read as one stream)."""
+    files, starts, ends = [], [], []
+    for k, f in enumerate(self.groups[g]):
+      file = self.files[f]
+      tokens = (np.memmap(file.path, _TOKEN_DTYPE, 'r', file.header, (file.num_tokens,))
+                if file.num_tokens else np.zeros(0, _TOKEN_DTYPE))
+      e = document_ends(tokens, self.eos_token_id, self.bos_token_id)
+      del tokens
+      s, e = cap_documents(np.concatenate([[0], e[:-1]]).astype(np.int64), e, self.seq_len,
+                           self.long_doc_strategy)
+      files.append(np.full(s.size, k, np.int64))
+      starts.append(s)
+      ends.append(e)
+    file, start = np.concatenate(files), np.concatenate(starts)
+    length = np.concatenate(ends) - start
+    docs, offsets = pack_documents(length, self.seq_len, self.stable_packing)
+    logging.info('Packed %d documents of %s into %d instances of %d tokens (%.1f%% padding).',
+                 length.size, [self.files[f].path for f in self.groups[g]], offsets.size - 1,
+                 self.seq_len, 100 * (1 - length.sum() / max(1, self.seq_len * (offsets.size - 1))))
+    return _Packing(offsets, file[docs], start[docs], length[docs])
+
+  def _verified_packing(self, path: str, g: int) -> _Packing | None:
+    """The cached packing if its checksum and shape hold; else None, with a warning."""
+    flat = np.memmap(path, dtype=np.int64, mode='r') if os.path.getsize(path) % 8 == 0 else None
+    try:
+      with open(path + _CHECKSUM_SUFFIX) as f:
+        expected = f.read().strip()
+    except FileNotFoundError:
+      expected = None
+    problem = None
+    if flat is None or flat.size < 2:
+      problem = 'it is not a whole number of int64 entries'
+    elif expected is None:
+      problem = f'it has no checksum file {path + _CHECKSUM_SUFFIX} to verify it by'
+    elif expected != _checksum(flat):
+      problem = f'its contents fail the checksum in {path}{_CHECKSUM_SUFFIX}'
+    else:
+      p = _Packing.from_flat(flat)
+      sizes = np.array([self.files[f].num_tokens for f in self.groups[g]], np.int64)
+      ok = (p.offsets.size >= 1 and p.offsets[0] == 0 and p.offsets[-1] == p.length.size
+            and (np.diff(p.offsets) > 0).all() and 3 * p.length.size + p.offsets.size + 1
+            == flat.size)
+      if ok and p.length.size:
+        ok = ((p.length >= 1).all() and (p.length <= self.seq_len).all()
+              and (p.file >= 0).all() and (p.file < sizes.size).all() and (p.start >= 0).all()
+              and (p.start + p.length <= sizes[p.file]).all()
+              and (np.add.reduceat(p.length, p.offsets[:-1]) <= self.seq_len).all())
+      if ok:
+        return p
+      problem = 'its index does not describe instances of these files'
+    logging.warning('Packing cache %s is unusable (%s); packing again.', path, problem)
+    return None
+
+  def _instance_documents(self, i: int) -> list[tuple[int, int, int]]:
+    """(file, start, length) of each document of instance i, in order."""
+    g = int(np.searchsorted(self.starts, i, side='right')) - 1
+    p, first = self.packings[g], self.groups[g][0]
+    a, b = p.offsets[i - self.starts[g]], p.offsets[i - self.starts[g] + 1]
+    return [(first + f, s, n) for f, s, n in zip(p.file[a:b].tolist(), p.start[a:b].tolist(),
+                                                  p.length[a:b].tolist())]
+
+  def read_with_lengths(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [n, T] of instances `ids`, real tokens [n]): the rest is padding."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.num_instances):
+      raise IndexError(f'instance ids must lie in [0, {self.num_instances}); got '
+                       f'[{ids.min()}, {ids.max()}].')
+    docs = [self._instance_documents(int(i)) for i in ids]
+    page = mmap.PAGESIZE
+    for f, s, n in (d for row in docs for d in row):  # queue every read first (as Dataset.read)
+      mm, _ = self._map(f)
+      begin = (self.files[f].header + 4 * s) // page * page
+      end = min(len(mm), self.files[f].header + 4 * (s + n))
+      mm.madvise(mmap.MADV_WILLNEED, begin, end - begin)
+    tokens_nT = np.full((ids.size, self.seq_len), self.pad_token_id, np.int32)
+    raw_nT = tokens_nT.view(np.uint32)
+    real_n = np.zeros(ids.size, np.int64)
+    for k, row in enumerate(docs):
+      at = 0
+      for f, s, n in row:
+        piece = self._map(f)[1][s:s + n]
+        if piece.max() >= self.vocab_size:
+          t = int(np.argmax(piece >= self.vocab_size))
+          raise _vocab_error(self.files[f].path, piece[t], s + t, self.vocab_size,
+                             'the file was made with another tokenizer or is corrupt')
+        raw_nT[k, at:at + n] = piece
+        at += n
+      real_n[k] = at
+    return tokens_nT, real_n
+
+  def read(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens of instances `ids` as int32 [n, T], padded with pad_token_id."""
+    return self.read_with_lengths(ids)[0]
+
+
+def dataset_from_config(cfg_data: Any, cache_dir: str | None = None) -> Dataset | PackedDataset:
+  """The training set cfg.data.dataset names: 'fsl' (stages 1-2) or 'packed' (stage 3).
+
+  `cache_dir` holds the packed dataset's packing cache (the FSL dataset needs none).
+  """
+  kind = cfg_data.get('dataset', 'fsl')
+  if kind == 'fsl':
+    return Dataset.from_config(cfg_data)
+  if kind == 'packed':
+    return PackedDataset.from_config(cfg_data, cache_dir=cache_dir)
+  raise ValueError(f"cfg.data.dataset={kind!r} is not 'fsl' (OLMo-core NumpyFSLDataset, stages "
+                   "1-2) or 'packed' (NumpyPackedFSLDataset, stage 3).")
+
+
+def wants_segments(cfg_data: Any) -> bool:
+  """Whether batches carry segment_ids: data.document_masking, or OLMo-core's name for it,
+  data.generate_doc_lengths (either turns intra-document attention masking on)."""
+  return bool(cfg_data.get('document_masking', False)
+              or cfg_data.get('generate_doc_lengths', False))
 
 
 # ----------------------------------------------------------------------------
@@ -595,35 +1025,47 @@ def repetition_rejected(tokens_BT: np.ndarray,
   return rejected_B
 
 
-def segment_ids(tokens_BT: np.ndarray, eos_token_id: int) -> np.ndarray:
-  """int32 [B, T] document index per token; an EOS ends (belongs to) its document.
+def segment_ids(tokens_BT: np.ndarray, eos_token_id: int,
+                bos_token_id: int | None = None) -> np.ndarray:
+  """int32 [B, T] document index per token; the token that ends a document belongs to it.
 
-  Matches OLMo-core get_document_lengths (bos_token_id=None): documents end at
-  each EOS, inclusive.
+  Matches OLMo-core get_document_lengths: documents end at each EOS, or with a
+  BOS id at each EOS followed by a BOS. Padding after the last end is one more
+  document (or, when PAD is EOS, one per pad token), as OLMo-core counts it.
   """
-  is_eos_BT = tokens_BT == eos_token_id
-  return (np.cumsum(is_eos_BT, axis=1, dtype=np.int32) - is_eos_BT).astype(np.int32)
+  if bos_token_id is None:
+    end_BT = tokens_BT == eos_token_id
+  else:
+    end_BT = np.zeros(tokens_BT.shape, bool)
+    end_BT[:, :-1] = (tokens_BT[:, :-1] == eos_token_id) & (tokens_BT[:, 1:] == bos_token_id)
+  return (np.cumsum(end_BT, axis=1, dtype=np.int32) - end_BT).astype(np.int32)
 
 
 def make_batch(tokens_BT: np.ndarray, *, eos_token_id: int,
                repetition_filter: RepetitionFilter | None = None,
-               document_masking: bool = False) -> dict[str, np.ndarray]:
+               document_masking: bool = False, real_B: np.ndarray | None = None,
+               bos_token_id: int | None = None) -> dict[str, np.ndarray]:
   """The batch dict (docs/data.md): tokens, labels, instance_mask[, segment_ids].
 
   Labels are the inputs shifted left with the last position ignored (OLMo-core
   get_labels). A rejected instance keeps its labels; `instance_mask` tells the
-  loss to drop its terms while still counting them in the denominator.
+  loss to drop its terms while still counting them in the denominator. For
+  packed instances, `real_B` counts each one's real tokens: labels that would
+  predict padding are ignored (OLMo-core's label_mask).
   """
   labels_BT = np.empty_like(tokens_BT)
   labels_BT[:, :-1] = tokens_BT[:, 1:]
   labels_BT[:, -1] = IGNORE_INDEX
+  if real_B is not None:
+    labels_BT[np.arange(1, tokens_BT.shape[1] + 1)[None, :] >= np.asarray(real_B)[:, None]] = (
+        IGNORE_INDEX)
   if repetition_filter is None:
     mask_B = np.ones(tokens_BT.shape[0], bool)
   else:
     mask_B = ~repetition_rejected(tokens_BT, repetition_filter)
   batch = {'tokens': tokens_BT, 'labels': labels_BT, 'instance_mask': mask_B}
   if document_masking:
-    batch['segment_ids'] = segment_ids(tokens_BT, eos_token_id)
+    batch['segment_ids'] = segment_ids(tokens_BT, eos_token_id, bos_token_id)
   return batch
 
 
@@ -650,11 +1092,16 @@ def check_resume(state: dict[str, Any], ds: Dataset, allow_changed: bool = False
   fingerprint hashes), so moving the data to another directory is allowed.
   """
   same_len = state.get('seq_len', ds.seq_len) == ds.seq_len
-  if state.get('fingerprint') == ds.fingerprint and same_len:
+  # Not in OLMo-core's fingerprint, but it changes which documents share an instance.
+  packing = (state.get('stable_packing'), getattr(ds, 'stable_packing', None))
+  if state.get('fingerprint') == ds.fingerprint and same_len and packing[0] == packing[1]:
     return
   problems = [] if same_len else [f'seq_len {state["seq_len"]} -> {ds.seq_len}']
-  problems += [f'{k} {v} -> {ds.fingerprint_fields[k]}' for k, v in state.get('fields', {}).items()
-               if ds.fingerprint_fields.get(k) != v]
+  if packing[0] != packing[1]:
+    problems.append(f'stable_packing {packing[0]} -> {packing[1]}')
+  fields = ds.fingerprint_fields
+  problems += [f'{k} {v} -> {fields.get(k)}' for k, v in state.get('fields', {}).items()
+               if fields.get(k) != v]
   old = [(str(p), int(s)) for p, s in state.get('files', [])]
   new = [(f.path, f.size) for f in ds.files]
   for i, (o, n) in enumerate(zip(old, new)):
@@ -770,7 +1217,7 @@ class Loader:
         check_position(state, ds, step, allow_changed=allow_changed)
       start = dict(epoch=state['epoch'], step=state['step'], seed=state['seed'])
     return cls(ds, global_batch_size=cfg_data.global_batch_size, cache_dir=cache_dir,
-               sharding=sharding, document_masking=cfg_data.document_masking,
+               sharding=sharding, document_masking=wants_segments(cfg_data),
                repetition_filter=RepetitionFilter() if cfg_data.repetition_filter else None,
                prefetch=cfg_data.prefetch, **start)
 
@@ -780,7 +1227,9 @@ class Loader:
             'global_batch_size': self.global_batch_size, 'seq_len': self.ds.seq_len,
             'num_instances': self.ds.num_instances, 'fingerprint': self.ds.fingerprint,
             'fingerprint_version': FINGERPRINT_VERSION, 'fields': self.ds.fingerprint_fields,
-            'files': [[f.path, f.size] for f in self.ds.files]}
+            'files': [[f.path, f.size] for f in self.ds.files],
+            **({'stable_packing': self.ds.stable_packing}
+               if isinstance(self.ds, PackedDataset) else {})}
 
   def _next_position(self, epoch: int, step: int) -> tuple[int, int] | None:
     if step + 1 < self.batches_per_epoch:
@@ -790,9 +1239,14 @@ class Loader:
   def batch_at(self, epoch: int, step: int) -> dict[str, Any]:
     """This process's part of the batch for (epoch, step); global arrays if sharded."""
     ids = global_batch_ids(self.ds, self.seed, epoch, step, self.global_batch_size, self.cache_dir)
-    batch = make_batch(self.ds.read(ids[self.positions]), eos_token_id=self.ds.eos_token_id,
+    if isinstance(self.ds, PackedDataset):  # padded instances: labels and segments of the padding
+      tokens_BT, real_B = self.ds.read_with_lengths(ids[self.positions])
+      packed = dict(real_B=real_B, bos_token_id=self.ds.bos_token_id)
+    else:
+      tokens_BT, packed = self.ds.read(ids[self.positions]), {}
+    batch = make_batch(tokens_BT, eos_token_id=self.ds.eos_token_id,
                        repetition_filter=self.repetition_filter,
-                       document_masking=self.document_masking)
+                       document_masking=self.document_masking, **packed)
     if self.sharding is not None:
       batch = make_global_batch(batch, self.sharding, self.rows, self.global_batch_size)
     return batch

@@ -31,6 +31,10 @@ def model_config() -> ml_collections.ConfigDict:
   m.yarn.beta_fast = 32.0  # HF rope_scaling.beta_fast
   m.yarn.beta_slow = 1.0  # HF rope_scaling.beta_slow
   m.yarn.attention_factor = config_dict.placeholder(float)  # None: 0.1*ln(factor)+1
+  # knob: RoPE positions restart per document (OLMo-core 3.0 without CP) or run
+  # 0..T-1 (Ai2's 2025 code, and OLMo-core 3.0 under CP); docs/long_context.md.
+  m.rope_document_positions = False
+  m.context_head_stride = 1  # OLMo-core llama3 CP head_stride: kv heads all-gathered at a time
   m.init_std = 0.02  # OLMo-core InitMethod.normal: std 0.02 ...
   m.init_cutoff = 0.06  # ... truncated at +-3 std, no depth scaling
   m.param_dtype = 'float32'  # OLMo-core FSDP: fp32 master weights
@@ -61,6 +65,21 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.seed = 34521  # OLMo-core pretrain-1: data seed (epoch 1 uses PCG64(seed+1))
   c.data.repetition_filter = False  # Ai2 did not filter for Olmo 3 7B (MaxText did)
   c.data.document_masking = False  # stages 1-2 attend across documents
+  # 'fsl': OLMo-core NumpyFSLDatasetConfig (stages 1-2, pretrain-1/-2 and midtrain);
+  # 'packed': NumpyPackedFSLDatasetConfig (stage 3, OLMo-3-1025-7B-long-context.py).
+  c.data.dataset = 'fsl'
+  # OLMo-core generate_doc_lengths: per-instance document lengths -> segment_ids
+  # (intra-document masking); the same switch as document_masking, either turns it on.
+  c.data.generate_doc_lengths = False
+  # OLMo-core NumpyDatasetConfig.source_permutation_seed: None keeps the mix order
+  c.data.source_permutation_seed = config_dict.placeholder(int)
+  c.data.source_group_size = 1  # OLMo-core NumpyPackedFSLDatasetConfig default: files per packing
+  c.data.long_doc_strategy = 'truncate'  # OLMo-core NumpyPackedFSLDatasetConfig default
+  c.data.bos_token_id = config_dict.placeholder(int)  # dolma2 tokenizer: no BOS
+  # Ours: False sorts documents as OLMo-core does (np.argsort, unstable: ties land by
+  # the CPU's sort kernel, so Ai2's packing depends on the machine); True sorts stably,
+  # the same on every machine. docs/data.md#packed-long-context-dataset.
+  c.data.stable_packing = False
   c.data.cache_dir = ''  # where the global permutation is cached; '' -> <workdir>/data_cache
   c.data.prefetch = 2  # batches prepared ahead by the background thread
   c.data.validation_paths = ()  # held-out token files (e.g. C4-en validation)
@@ -97,6 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.mesh_data = 1  # data-parallel replicas (params replicated across them)
   c.train.mesh_fsdp = -1  # FSDP shards; -1 = all remaining devices
   c.train.mesh_tensor = 1  # tensor-parallel axis
+  c.train.mesh_context = 1  # context-parallel axis: splits the sequence (stage 3: 8)
   c.train.log_every = 10  # OLMo-core: metrics every 10 steps
   c.train.ckpt_every = 1000  # OLMo-core pretrain-1: save_interval
   c.train.keep_last = 3  # committed checkpoints kept besides keep_every ones
