@@ -550,12 +550,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   leftovers of a crashed one.
   """
   validate(cfg)
-  ds = data.Dataset.from_config(cfg.data)
+  ds = data.dataset_from_config(  # 'packed' packs here once, then reads its verified cache
+      cfg.data, cache_dir=cfg.data.cache_dir or os.path.join(workdir, 'data_cache'))
   mesh = make_mesh(cfg.train)
   accum = data.grad_accum_steps(cfg.data.global_batch_size,
                                 int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
                                 cfg.train.micro_batch_size)
-  impl, why = kernels.resolve(cfg.model, segments=cfg.data.document_masking)
+  impl, why = kernels.resolve(cfg.model, segments=data.wants_segments(cfg.data))
   logging.info('attention_impl=%s (%s).', impl, why)
   check_state_fits(cfg, mesh)
   lock = (checkpoint.WorkdirLock(workdir) if jax.process_index() == 0
@@ -691,7 +692,7 @@ def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
   batch_size = min(cfg.data.global_batch_size, val_ds.num_instances)
   batch_size -= batch_size % data.num_batch_shards(batch_sharding(mesh), batch_size) or 0
   batches = data.validation_batches(val_ds, batch_size, cfg.data.validation_batches,
-                                    document_masking=cfg.data.document_masking)
+                                    document_masking=data.wants_segments(cfg.data))
   step = jax.jit(make_eval_step(cfg, mesh))
   sharding = batch_sharding(mesh)
 
