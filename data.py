@@ -287,7 +287,6 @@ def _fingerprint(class_name: str, fields: dict[str, Any], files: Sequence[TokenF
   return h.hexdigest()
 
 
-
 class Dataset:
   """OLMo-core's `NumpyFSLDataset` over uint32 token files: instance i as int32 [T]."""
 
