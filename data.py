@@ -15,6 +15,11 @@ instance for instance (docs/data.md):
 The batch for a step is a pure function of (dataset, seed, epoch, step), so
 resuming needs only that tuple (plus the fingerprint, to refuse changed data).
 
+Stage 3 swaps the instances for OLMo-core's `NumpyPackedFSLDataset`
+(PackedDataset, cfg.data.dataset='packed'): whole documents packed
+best-fit-decreasing into instances of T, padded; the order, batches and ranks
+above apply unchanged to its instance ids.
+
 Glossary: N instances in the dataset, B global batch (instances), T sequence
 length, n instances read, W data-parallel batch shards (devices that split the
 batch); in the repetition filter L = T - p for period p, R rows left to check.

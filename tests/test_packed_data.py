@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import os
+import tracemalloc
 
 import jax
 import ml_collections
@@ -285,6 +286,25 @@ def test_document_ends_in_chunks_match_olmo_core(tmp_path):
                                                       dtype=np.uint32)]
     for chunk in (1, 2, 7, 64, 1 << 20):  # documents and EOS-BOS pairs across chunk edges
       np.testing.assert_array_equal(data.document_ends(tokens, EOS, bos, chunk=chunk), theirs)
+
+
+def test_packing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path, monkeypatch):
+  n, docs = 1 << 22, 64  # a 16 MiB file of 64 documents
+  tokens = np.random.default_rng(8).integers(0, 1000, n).astype(np.uint32)
+  tokens[np.linspace(n // docs, n, docs).astype(np.int64) - 1] = EOS
+  path = tmp_path / 'big.npy'
+  tokens.tofile(path)
+  del tokens
+  monkeypatch.setattr(data.document_ends, '__defaults__', (None, 1 << 16))
+  tracemalloc.start()  # numpy reports its buffers to tracemalloc
+  try:
+    ds = data.PackedDataset([str(path)], seq_len=1 << 20, vocab_size=VOCAB, eos_token_id=EOS,
+                            pad_token_id=PAD)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert ds.num_instances == 4 and ds.packings[0].length.sum() == n
+  assert peak < 2 << 20, peak  # < 2 MiB of arrays for a 16 MiB file: one chunk at a time
 
 
 def test_source_permutation_matches_olmo_core_for_the_fsl_dataset_too(tmp_path):
