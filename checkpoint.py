@@ -711,6 +711,56 @@ class Checkpointer:
     self.close()
 
 
+def save_streamed(directory: str, step: int, arrays: list[tuple[str, tuple[int, ...], Any,
+                                                                tuple[int, ...], Any]],
+                  metadata: dict[str, Any], *, chunk_bytes: int = 64 << 20,
+                  fsync: bool = True) -> None:
+  """Writes and commits step `step` one piece at a time (converters: bounded host memory).
+
+  Single process. Each entry of `arrays` is (key path as save() names it,
+  shape, dtype, piece shape, pieces), where pieces() yields (box, data) that
+  tile the array on the piece-shape grid, like a sharding's shards; only one
+  piece is in memory at a time. The files, checksums, metadata.json and
+  commit are Checkpointer.save's, so restore() reads the step like any other.
+  A failure removes the temporary directory and leaves earlier steps intact.
+  """
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  _tidy(directory, fsync)
+  final = _step_dir(directory, step)
+  if os.path.exists(final):
+    raise FileExistsError(f'{final} already exists; remove it or choose another directory.')
+  tmp = os.path.join(directory, f'tmp.step_{step}.{secrets.token_hex(4)}')
+  pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+  try:
+    written, sums = [], {}
+    for name, shape, dtype, piece_shape, pieces in arrays:
+      dtype = np.dtype(dtype)
+      snap = _Snapshot(name, tuple(shape), dtype,
+                       _chunk_shape(tuple(piece_shape), dtype.itemsize, chunk_bytes), [])
+      for box, data in pieces():
+        snap.pieces = [(tuple(box), np.asarray(data, dtype, order='C'))]
+        for key, part in _write_local(tmp, [snap], False, fsync, pool).items():
+          sums.setdefault(key, {}).update(part)
+      snap.pieces = []
+      written.append(snap)
+    info = {'format_version': FORMAT_VERSION, 'step': step,
+            'metadata': dict(metadata, step=step), 'paths': [a.name for a in written],
+            'tree': 'save_streamed', 'checksum': CHECKSUM, 'use_ocdbt': False,
+            'process_count': 1, 'jax_version': jax.__version__, 'healthy': True,
+            'arrays': _verify_and_describe(tmp, written, [sums], False), 'time': time.time()}
+    _write_durable(os.path.join(tmp, METADATA), _sealed(info), fsync)
+    os.rename(tmp, final)
+    _fsync_dir(directory, fsync)
+    _write_durable(os.path.join(final, COMMIT), '', fsync)
+    _fsync_dir(final, fsync)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    pool.shutdown()
+
+
 def _info_checksum(info: dict[str, Any]) -> str:
   # Over a canonical serialization, so the checksum can live in the file it covers.
   return xxhash.xxh3_64_hexdigest(json.dumps(info, sort_keys=True).encode())
@@ -960,6 +1010,29 @@ def restore(directory: str, target: Any, step: int | None = None,
   finally:
     pool.shutdown(cancel_futures=True)
   return jax.tree_util.tree_unflatten(treedef, out), info['metadata']
+
+
+def read_array(directory: str, name: str, box: Box | None = None, step: int | None = None
+               ) -> np.ndarray:
+  """The `box` slice (default: all) of one saved array, e.g. 'params/mlp/w_up', on host.
+
+  Reads and verifies only the chunks covering the box, so a converter can
+  stream a checkpoint larger than memory one slice at a time.
+  """
+  path = _committed_dir(directory, step)
+  info = _read_info(path)
+  if name not in info['arrays']:
+    raise ValueError(f'Checkpoint {path} has no array {name}; it has '
+                     f'{sorted(info["arrays"])[:8]}...')
+  desc, use_ocdbt = info['arrays'][name], info['use_ocdbt']
+  store = _opened(path, name, desc, use_ocdbt, ts.open(_spec(path, name, use_ocdbt), open=True))
+  shape, chunk = tuple(desc['shape']), tuple(desc['chunk_shape'])
+  box = tuple((0, n) for n in shape) if box is None else tuple(box)
+  chunks = {cid: _load_chunk(path, name, cid,
+                             store[_slices(_chunk_box(cid, chunk, shape))].read(),
+                             desc['checksums'].get(_chunk_key(cid), ''), use_ocdbt)
+            for cid in _chunk_ids(box, chunk)}
+  return _assemble(box, chunks, chunk, shape, ts.dtype(desc['dtype']).numpy_dtype)
 
 
 def restore_latest_good(directory: str, target: Any,

@@ -449,14 +449,14 @@ def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directo
     shutil.rmtree(staging, ignore_errors=True)  # after an exchange: the old checkpoint
 
 
-def _install(staging: str, directory: str) -> None:
+def _install(staging: str, directory: str, step: int = 0) -> None:
   """Moves the checkpoint built in `staging` to `directory`; `staging` then holds the old one."""
-  if not checkpoint.committed_steps(directory):  # nothing to replace: move step_0 in
+  if not checkpoint.committed_steps(directory):  # nothing to replace: move step_<step> in
     os.makedirs(directory, exist_ok=True)
-    leftover = os.path.join(directory, 'step_0')
+    leftover = os.path.join(directory, f'step_{step}')
     if os.path.isdir(leftover):  # a save that never committed
       shutil.rmtree(leftover)
-    os.rename(os.path.join(staging, 'step_0'), leftover)
+    os.rename(os.path.join(staging, f'step_{step}'), leftover)
     return
   if _exchange(staging, directory):
     return

@@ -1,0 +1,268 @@
+"""olmo_core_ckpt.py against OLMo-core's own Trainer, checkpointer and reader (CPU, gloo).
+
+One module-scoped fixture runs OLMo-core's real Trainer (stock CheckpointerCallback
+and ConfigSaverCallback) on a tiny Olmo 3 for k steps and saves, then continues it
+k -> 2k from that checkpoint (`load_path`), once as shipped and once with every
+weight moved one ulp (the noise floor of scripts/reproduce_olmo_core.py, at two
+runs). The tests convert that checkpoint and check it against OLMo-core reading
+it (`olmo_core.distributed.checkpoint.load_keys`), continue it with train.py, export
+it back and let OLMo-core continue from the export. The fast tests check bad input
+on a step directory written by the exporter.
+
+Run as a script, this file is the OLMo-core side (one process per run):
+    python tests/test_olmo_core_ckpt.py SPEC_JSON
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, 'scripts'))
+
+import reproduce_olmo_core as repro  # noqa: E402
+
+# The shape of tests/test_reproduce.py (a few seconds per OLMo-core step on two cores).
+SMALL = repro.shape_overrides(d_model=64, mlp_hidden=192, window=16, seq_len=64, batch_size=4)
+K = 3  # steps before the checkpoint; the runs continue to 2K
+
+
+def repro_cfg(steps: int, overrides: dict | None = None):
+  return repro.repro_config(repro.run_overrides(steps, 2, {**SMALL, **(overrides or {})}))
+
+
+# --- The OLMo-core side (a subprocess: OLMo-core's trainer owns its process group) -----------
+
+
+def olmo_core_main(spec: dict) -> None:
+  """Trains with OLMo-core's Trainer per `spec`; writes <save_folder>/records_<name>.json."""
+  os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',
+                    MASTER_ADDR='127.0.0.1', MASTER_PORT=str(spec['port']))
+  import torch
+  from olmo_core.data import (NumpyDataLoaderConfig, NumpyDatasetDType, NumpyFSLDatasetConfig,
+                               TokenizerConfig)
+  from olmo_core.optim import CosWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
+  from olmo_core.train import Duration, TrainerConfig, prepare_training_environment
+  from olmo_core.train.callbacks import Callback, CheckpointerCallback, ConfigSaverCallback
+  from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+  prepare_training_environment(seed=0, backend='gloo')
+  torch.set_num_threads(1)
+  cfg = repro_cfg(spec['horizon'], spec.get('overrides'))
+  d, o = cfg.data, cfg.opt
+  T, B = d.seq_len, d.global_batch_size
+  model = repro.olmo_core_model(cfg, init_seed=spec['init_seed'])
+  dataset_cfg = NumpyFSLDatasetConfig(
+      paths=list(d.paths), sequence_length=T, max_target_sequence_length=T,
+      dtype=NumpyDatasetDType.uint32,
+      tokenizer=TokenizerConfig(vocab_size=d.vocab_size, eos_token_id=d.eos_token_id,
+                                pad_token_id=d.pad_token_id))
+  loader_cfg = NumpyDataLoaderConfig(global_batch_size=B * T, seed=d.seed, num_workers=0,
+                                     work_dir=os.path.join(spec['save_folder'], 'data'))
+  module_cfg = TransformerTrainModuleConfig(
+      rank_microbatch_size=B * T, max_sequence_length=T,
+      optim=SkipStepAdamWConfig(
+          lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay,
+          rolling_interval_length=o.skip_window, sigma_factor=int(o.skip_sigma),
+          group_overrides=[OptimGroupOverride(params=['embeddings.weight'],
+                                              opts=dict(weight_decay=0.0))]),
+      max_grad_norm=o.clip_grad_norm, z_loss_multiplier=o.z_loss,
+      scheduler=CosWithWarmup(warmup=o.warmup_steps, alpha_f=o.final_lr / o.lr, t_max=o.t_max))
+  records = {'ce': {}, 'inputs': {}}
+
+  class Record(Callback):
+    def pre_step(self, batch):
+      records['inputs'][self.step] = batch['input_ids'].numpy().astype(int).tolist()
+
+    def log_metrics(self, step, metrics):
+      if 'train/CE loss' in metrics:
+        records['ce'][step] = float(metrics['train/CE loss'])
+
+    def post_checkpoint_loaded(self, path):
+      for p in self.trainer.train_module.model.parameters():  # the noise member
+        for _ in range(spec.get('ulps', 0)):
+          p.data = torch.nextafter(p.data, torch.tensor(float('inf')))
+
+  trainer_cfg = TrainerConfig(
+      save_folder=spec['save_folder'], work_dir=os.path.join(spec['save_folder'], 'work'),
+      max_duration=Duration.steps(spec['horizon']), hard_stop=Duration.steps(spec['stop']),
+      load_path=spec.get('load_path'), load_trainer_state=spec.get('load_trainer_state'),
+      metrics_collect_interval=1, save_overwrite=True,
+      callbacks={'checkpointer': CheckpointerCallback(save_interval=spec['save_interval'],
+                                                      save_async=False),
+                 'config_saver': ConfigSaverCallback(), 'record': Record()})
+  train_module = module_cfg.build(model, device=torch.device('cpu'))
+  trainer = trainer_cfg.build(train_module, loader_cfg.build(dataset_cfg.build()))
+  # config.json as OLMo-core's experiment launcher writes it (ExperimentConfig sections).
+  model_cfg = repro_model_config(cfg, spec['init_seed'])
+  trainer.callbacks['config_saver'].config = {
+      'run_name': 'tiny', 'model': model_cfg.as_config_dict(),
+      'dataset': dataset_cfg.as_config_dict(), 'data_loader': loader_cfg.as_config_dict(),
+      'train_module': module_cfg.as_config_dict(),
+      'trainer': {'max_duration': {'value': spec['horizon'], 'unit': 'steps'}}}
+  trainer.fit()
+  with open(os.path.join(spec['save_folder'], f"records_{spec['name']}.json"), 'w') as f:
+    json.dump(records, f)
+
+
+def repro_model_config(cfg, init_seed: int):
+  """The TransformerConfig that repro.olmo_core_model builds (for config.json)."""
+  from olmo_core.nn.attention import SlidingWindowAttentionConfig
+  from olmo_core.nn.transformer import TransformerConfig
+  m = cfg.model
+  oc = TransformerConfig.olmo3_7B(vocab_size=m.vocab_size)
+  oc.d_model, oc.n_layers, oc.init_seed = m.d_model, m.num_layers, init_seed
+  oc.block.sequence_mixer.n_heads = m.num_heads
+  oc.block.sequence_mixer.n_kv_heads = m.num_kv_heads
+  oc.block.sequence_mixer.sliding_window = SlidingWindowAttentionConfig(
+      pattern=[m.sliding_window if c == 'S' else -1 for c in m.layer_pattern],
+      force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False)
+  oc.block.feed_forward.hidden_size = m.mlp_hidden
+  return oc
+
+
+_PORTS = iter(range(29600, 29700))
+
+
+def run_olmo_core(name: str, save_folder: str, **spec) -> dict:
+  spec = dict(name=name, save_folder=save_folder, port=next(_PORTS), **spec)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)], check=True,
+                 env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+  with open(os.path.join(save_folder, f'records_{name}.json')) as f:
+    out = json.load(f)
+  return {'ce': {int(k): v for k, v in out['ce'].items()},
+          'inputs': {int(k): np.array(v) for k, v in out['inputs'].items()}}
+
+
+if __name__ == '__main__':
+  olmo_core_main(json.loads(sys.argv[1]))
+  sys.exit(0)
+
+
+# --- Tests -------------------------------------------------------------------------------------
+
+import jax  # noqa: E402
+
+import checkpoint  # noqa: E402
+import data  # noqa: E402
+import olmo_core_ckpt as occ  # noqa: E402
+import train  # noqa: E402
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """OLMo-core: 0 -> K (saved), K -> 2K from its checkpoint, and the +1 ulp member."""
+  root = tmp_path_factory.mktemp('olmo_core')
+  first = str(root / 'first')
+  common = dict(horizon=2 * K + 10, init_seed=7)
+  run_olmo_core('first', first, stop=K, save_interval=K, **common)
+  step_dir = os.path.join(first, f'step{K}')
+  cont = run_olmo_core('cont', str(root / 'cont'), stop=2 * K, save_interval=100,
+                       load_path=step_dir, **common)
+  ulp = run_olmo_core('ulp', str(root / 'ulp'), stop=2 * K, save_interval=100,
+                      load_path=step_dir, ulps=1, **common)
+  ours = str(root / 'ours' / 'checkpoints')
+  occ.import_step(step_dir, ours)
+  return dict(root=root, step_dir=step_dir, cont=cont, ulp=ulp, ours=ours, common=common)
+
+
+def _olmo_core_reads(step_dir: str, keys: list[str]) -> dict:
+  """OLMo-core's own reader on its own checkpoint: the reference for the conversion."""
+  from olmo_core.distributed.checkpoint import load_keys
+  values = load_keys(os.path.join(step_dir, 'model_and_optim'), keys)
+  return {k: np.asarray(v.numpy() if hasattr(v, 'numpy') else v) for k, v in zip(keys, values)}
+
+
+def _ours(ckpt: str, cfg, step: int = K) -> train.TrainState:
+  target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), train.abstract_state(cfg))
+  state, _ = checkpoint.restore(ckpt, target, step)
+  return state
+
+
+@pytest.mark.slow
+def test_conversion_is_bit_exact_and_takes_the_adam_count_from_the_state(runs):
+  meta = checkpoint.read_metadata(runs['ours'], K)
+  cfg = repro_cfg(runs['common']['horizon'])
+  saved = occ.config_from_olmo_core(meta['olmo_core_source']['config'], [])
+  for group, field in [('model', f) for f in ('d_model', 'num_layers', 'num_heads',
+                                              'num_kv_heads', 'mlp_hidden', 'layer_pattern',
+                                              'sliding_window')] + [
+      ('data', 'global_batch_size'), ('data', 'seq_len'), ('data', 'seed'), ('opt', 'lr'),
+      ('opt', 'warmup_steps'), ('opt', 't_max'), ('opt', 'final_lr'), ('opt', 'z_loss')]:
+    assert saved[group][field] == pytest.approx(cfg[group][field]), (group, field)
+  state = _ours(runs['ours'], cfg)
+  names = list(occ.tensor_names(cfg.model.num_layers))
+  keys = [f'model.{f}' for f, _, _ in names] + [
+      f'optim.state.{f}.{m}' for f, _, _ in names for m in ('exp_avg', 'exp_avg_sq', 'step')]
+  ref = _olmo_core_reads(runs['step_dir'], keys)
+  for fqn, (module, name), layer in names:
+    for key, tree in ((f'model.{fqn}', state.params), (f'optim.state.{fqn}.exp_avg',
+                                                       state.opt_state.mu),
+                      (f'optim.state.{fqn}.exp_avg_sq', state.opt_state.nu)):
+      ours = tree[module][name] if layer is None else tree[module][name][layer]
+      theirs = ref[key].T if ref[key].ndim == 2 and fqn != 'embeddings.weight' else ref[key]
+      np.testing.assert_array_equal(ours, theirs, err_msg=key)  # bit for bit, float32
+  # OLMo-core's step-0 checkpoint ran one zero-gradient optimizer step: count = K + 1.
+  assert int(state.opt_state.count) == int(ref[f'optim.state.{names[0][0]}.step']) == K + 1
+  assert int(state.opt_state.step) == meta['step'] == K
+  assert int(state.opt_state.history_len) == 0  # OLMo-core does not save the window
+  assert meta['data']['step'] == K and meta['data']['epoch'] == 1
+  assert meta['data']['seed'] == cfg.data.seed
+  assert meta['config']['opt']['no_decay'] == ['embed/embedding']
+
+
+@pytest.mark.slow
+def test_train_py_continues_olmo_core_run_on_the_same_batches_within_the_noise(runs):
+  workdir = runs['root'] / 'ours'
+  cfg = repro_cfg(runs['common']['horizon'])
+  overrides = {**repro.run_overrides(runs['common']['horizon'], 2, SMALL),
+               'train.steps': 2 * K, 'train.ckpt_every': 100}
+  cmd = [sys.executable, os.path.join(REPO, 'train.py'),
+         f'--config={os.path.join(REPO, "configs", "tiny_repro.py")}', f'--workdir={workdir}',
+         '--sample_tokens=0'] + [f'--config.{k}={v}' for k, v in overrides.items()]
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+  ours = {r['step']: r['train/CE loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
+          if 'train/CE loss' in r}
+  steps = list(range(K + 1, 2 * K + 1))
+  # The batches: our loader from the converted position vs what OLMo-core's trainer fed.
+  ds = data.Dataset.from_config(cfg.data)
+  loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=cfg.data.global_batch_size,
+                       cache_dir=str(runs['root'] / 'cache'))
+  for s in steps:
+    np.testing.assert_array_equal(loader.batch_at(1, s - 1)['tokens'], runs['cont']['inputs'][s])
+  ce = np.array([ours[s] for s in steps])
+  ensemble = np.array([[runs[r]['ce'][s] for s in steps] for r in ('cont', 'ulp')])
+  floor = repro.ce_floor(ensemble, tokens=cfg.data.global_batch_size * cfg.data.seq_len,
+                         half_width=5)
+  ratio = np.abs(ce - np.median(ensemble, 0)) / floor
+  assert ratio.max() <= repro.MAX_RATIO, (ce, ensemble, floor)
+
+
+@pytest.mark.slow
+def test_round_trip_is_bit_exact_and_olmo_core_continues_from_the_export(runs):
+  cfg = repro_cfg(runs['common']['horizon'])
+  export = str(runs['root'] / 'export' / f'step{K}')
+  os.makedirs(os.path.dirname(export))
+  assert occ.export_step(runs['ours'], export, step=K) == K  # train.py may have added 2K
+  back = str(runs['root'] / 'back')
+  occ.import_step(export, back)
+  a, b = _ours(runs['ours'], cfg), _ours(back, cfg)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  meta_a, meta_b = checkpoint.read_metadata(runs['ours'], K), checkpoint.read_metadata(back)
+  for key in ('seed', 'epoch', 'step', 'fingerprint', 'global_batch_size'):
+    assert meta_a['data'][key] == meta_b['data'][key], key
+  # OLMo-core's trainer loads the export (load_path) and continues exactly as from its own.
+  again = run_olmo_core('export', str(runs['root'] / 'from_export'), stop=2 * K,
+                        save_interval=100, load_path=export, **runs['common'])
+  assert again['ce'] == runs['cont']['ce']
+  for s in again['inputs']:
+    np.testing.assert_array_equal(again['inputs'][s], runs['cont']['inputs'][s])
