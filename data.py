@@ -582,10 +582,15 @@ class PackedDataset:
   def __init__(self, paths: Sequence[str], *, seq_len: int, vocab_size: int, eos_token_id: int,
                pad_token_id: int, bos_token_id: int | None = None,
                long_doc_strategy: str = 'truncate', source_group_size: int = 1,
-               stable_packing: bool = False, labels: Sequence[str] | None = None,
+               stable_packing: bool = False, source_permutation_seed: int | None = None,
+               labels: Sequence[str] | None = None,
                listed_sizes: Sequence[int | None] | None = None, cache_dir: str | None = None,
                source: str = 'cfg.data.paths'):
-    """Packs (or loads the cached packing of) every group; `paths` in training order."""
+    """Packs (or loads the cached packing of) every group.
+
+    `paths` are in mix order and shuffled by `source_permutation_seed` as
+    OLMo-core's config does (from_config has done that already).
+    """
     if not paths:
       raise ValueError(f'{source} is empty: the packed dataset needs at least one token file.')
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
@@ -600,8 +605,8 @@ class PackedDataset:
                        f'{source_group_size!r}; Ai2 stage 3 uses 8.')
     labels = labels or [''] * len(paths)
     listed_sizes = listed_sizes or [None] * len(paths)
-    self.files = tuple(inspect_file(p, l, s, vocab_size)
-                       for p, l, s in zip(paths, labels, listed_sizes))
+    self.files = tuple(inspect_file(paths[i], labels[i], listed_sizes[i], vocab_size)
+                       for i in source_order(len(paths), source_permutation_seed))
     self.seq_len, self.vocab_size = seq_len, vocab_size
     self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
     self.bos_token_id = bos_token_id

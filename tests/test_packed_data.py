@@ -9,8 +9,9 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from olmo_core.data import (DataCollator, NumpyDataLoaderConfig, NumpyFSLDataLoader,
-                            NumpyFSLDatasetConfig, NumpyPackedFSLDatasetConfig, TokenizerConfig)
+from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderConfig,
+                            NumpyFSLDataLoader, NumpyFSLDatasetConfig,
+                            NumpyPackedFSLDatasetConfig, TokenizerConfig)
 from olmo_core.data import numpy_dataset as olmo_numpy_dataset
 from olmo_core.data.utils import InstancePacker, get_labels, iter_document_indices
 
@@ -120,11 +121,19 @@ def test_instances_fingerprint_and_doc_lengths_match_olmo_core(tmp_path, case):
   assert [f.path for f in ds.files] == [str(p) for p in ods.paths]  # the permuted order
   assert ds.fingerprint == ods.fingerprint
   assert ds.num_instances == len(ods)
+  direct = data.PackedDataset(paths, seq_len=T, vocab_size=VOCAB, eos_token_id=EOS,
+                              pad_token_id=PAD, bos_token_id=bos, long_doc_strategy=strategy,
+                              source_group_size=group, source_permutation_seed=perm)
+  assert direct.fingerprint == ods.fingerprint
   tokens, real = ds.read_with_lengths(np.arange(ds.num_instances))
+  np.testing.assert_array_equal(direct.read(np.arange(ds.num_instances)), tokens)
   segments = data.segment_ids(tokens, EOS, bos)
+  rejected = data.repetition_rejected(tokens)  # the filter sees the padding, as OLMo-core's does
+  ods.instance_filter_config = InstanceFilterConfig()
   for i in range(len(ods)):
     item = ods[i]
     np.testing.assert_array_equal(tokens[i], item['input_ids'].numpy())
+    assert rejected[i] == (not item['instance_mask'])
     np.testing.assert_array_equal(np.arange(T) < real[i], item['label_mask'].numpy())
     np.testing.assert_array_equal(np.bincount(segments[i]), item['doc_lens'].numpy())
   assert (real < T).any() and (real == T).any()  # padded instances and full ones were compared
