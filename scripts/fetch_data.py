@@ -30,32 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402  (the repository root must be on the path first)
 import download  # noqa: E402
 
-_MIX = flags.DEFINE_string('mix', None, 'A mix name from olmo_core/data/mixes/ (e.g. '
-                           'OLMo-mix-0925-official) or a path to a mix file.')
-_BASE_URL = flags.DEFINE_string(
-    'base_url', 'https://olmo-data.org', "Root the mix's paths are joined to (OLMo-core's "
-    'default --data-root; a gs:// or s3:// bucket prefix, or a local directory, also work).')
-_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Where the files (and the local mix) go.')
-_TOKENIZER_ID = flags.DEFINE_string(
-    'tokenizer_id', '', "Substituted for {TOKENIZER}; '' -> OLMo-core's id for dolma2 and this "
-    'mix (allenai/dolma3-tokenizer for the Olmo 3 mixes).')
-_LIST = flags.DEFINE_bool('list', False, 'Print files, bytes and tokens per source; download '
-                          'nothing.')
-_LABELS = flags.DEFINE_list('labels', [], 'Only these sources (mix labels); default all.')
-_MAX_FILES = flags.DEFINE_integer('max_files', 0, 'Only the first N files (0: all), to try a '
-                                  'mix out.')
-_CHECKSUMS = flags.DEFINE_string('checksums', '', 'A sha256sum-style file (`HEX  relative/path` '
-                                 'lines) when the source publishes checksums.')
-_SKIP_MISSING = flags.DEFINE_bool(
-    'skip_missing', False, 'Write the local mix without files the server does not have (404). '
-    "The instance ids, and so the data order, then differ from Ai2's run.")
-_LOCAL_MIX = flags.DEFINE_string('local_mix', '', "Local mix file to write; '' -> "
-                                 'OUTPUT_DIR/<mix name>.txt.')
-_SEQ_LEN = flags.DEFINE_integer('seq_len', 8192, '--list: instances per source at this length '
-                                '(OLMo-core pretrain-1: 8192).')
-_WORKERS = flags.DEFINE_integer('workers', 8, 'Parallel downloads (and HEAD requests).')
-_RETRIES = flags.DEFINE_integer('retries', 5, 'Retries per file after a failure.')
-_TIMEOUT = flags.DEFINE_float('timeout', 60.0, 'Seconds without progress before a retry.')
+FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 
 # OLMo-core DataMix.build: the Olmo 3 mixes were tokenized under the name
 # allenai/dolma3-tokenizer (the same tokenizer as dolma2); the perplexity sets
@@ -183,40 +158,40 @@ def write_local_mix(path: str, rows: list[tuple[str, str, int]], header: str) ->
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not _MIX.value:
+  if not FLAGS.mix:
     raise app.UsageError('--mix is required (a name from olmo_core/data/mixes/ or a file).')
-  if not _LIST.value and not _OUTPUT_DIR.value:
+  if not FLAGS.list and not FLAGS.output_dir:
     raise app.UsageError('--output_dir is required to download (or pass --list).')
   try:
-    files = entries(_MIX.value, _TOKENIZER_ID.value, tuple(_LABELS.value), _MAX_FILES.value)
-    urls = [url_of(_BASE_URL.value, p) for _, p in files]
-    found = sizes(urls, _WORKERS.value, _TIMEOUT.value)
+    files = entries(FLAGS.mix, FLAGS.tokenizer_id, tuple(FLAGS.labels), FLAGS.max_files)
+    urls = [url_of(FLAGS.base_url, p) for _, p in files]
+    found = sizes(urls, FLAGS.workers, FLAGS.timeout)
     missing = [(u, s) for u, s in zip(urls, found) if isinstance(s, download.DownloadError)]
-    if _LIST.value:
-      print(summarize(files, found, _SEQ_LEN.value))
+    if FLAGS.list:
+      print(summarize(files, found, FLAGS.seq_len))
       for url, err in missing:
         print(f'unavailable: {url}: {err}', file=sys.stderr)
       return 1 if missing else 0
-    if missing and not _SKIP_MISSING.value:
+    if missing and not FLAGS.skip_missing:
       shown = '\n  '.join(str(e) for _, e in missing[:10])
       sys.exit(f'error: {len(missing)} of {len(files)} files are unavailable:\n  {shown}\n'
                'Fix --base_url (or the mix), or pass --skip_missing to leave them out (the '
                "data order then differs from Ai2's). Nothing was downloaded.")
-    local = _LOCAL_MIX.value or os.path.join(_OUTPUT_DIR.value,
-                                             os.path.basename(mix_file(_MIX.value)))
-    if os.path.abspath(local) == os.path.abspath(mix_file(_MIX.value)):
+    local = FLAGS.local_mix or os.path.join(FLAGS.output_dir,
+                                             os.path.basename(mix_file(FLAGS.mix)))
+    if os.path.abspath(local) == os.path.abspath(mix_file(FLAGS.mix)):
       raise ValueError(f'the local mix {local} would overwrite --mix; pass --local_mix=OTHER.txt.')
-    sums = read_checksums(_CHECKSUMS.value) if _CHECKSUMS.value else {}
+    sums = read_checksums(FLAGS.checksums) if FLAGS.checksums else {}
     keep = [(l, p, u, s) for (l, p), u, s in zip(files, urls, found)
             if not isinstance(s, download.DownloadError)]
-    items = [download.Item(u, os.path.join(_OUTPUT_DIR.value, p), size=s,
+    items = [download.Item(u, os.path.join(FLAGS.output_dir, p), size=s,
                            sha256=sums.get(p)) for _, p, u, s in keep]
-    report = download.fetch(items, workers=_WORKERS.value, retries=_RETRIES.value,
-                            timeout=_TIMEOUT.value)
+    report = download.fetch(items, workers=FLAGS.workers, retries=FLAGS.retries,
+                            timeout=FLAGS.timeout)
   except (download.DownloadError, FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')
   rows = [(l, os.path.abspath(i.dest), os.path.getsize(i.dest)) for (l, *_), i in zip(keep, items)]
-  write_local_mix(local, rows, f'{len(rows)} files from {_MIX.value} at {_BASE_URL.value}; '
+  write_local_mix(local, rows, f'{len(rows)} files from {FLAGS.mix} at {FLAGS.base_url}; '
                   'written by scripts/fetch_data.py')
   print(f'{report.downloaded} downloaded, {report.skipped} already complete; '
         f'{report.bytes:,} bytes transferred, {report.total_bytes:,} bytes in {len(rows)} files')
@@ -227,5 +202,36 @@ def main(argv):
   return 0
 
 
+def define_flags() -> None:
+  """The command line; defined only when run as a script, so importing it defines no flags."""
+  flags.DEFINE_string('mix', None, 'A mix name from olmo_core/data/mixes/ (e.g. '
+                      'OLMo-mix-0925-official) or a path to a mix file.')
+  flags.DEFINE_string(
+      'base_url', 'https://olmo-data.org', "Root the mix's paths are joined to (OLMo-core's "
+      'default --data-root; a gs:// or s3:// bucket prefix, or a local directory, also work).')
+  flags.DEFINE_string('output_dir', None, 'Where the files (and the local mix) go.')
+  flags.DEFINE_string(
+      'tokenizer_id', '', "Substituted for {TOKENIZER}; '' -> OLMo-core's id for dolma2 and this "
+      'mix (allenai/dolma3-tokenizer for the Olmo 3 mixes).')
+  flags.DEFINE_bool('list', False, 'Print files, bytes and tokens per source; download '
+                    'nothing.')
+  flags.DEFINE_list('labels', [], 'Only these sources (mix labels); default all.')
+  flags.DEFINE_integer('max_files', 0, 'Only the first N files (0: all), to try a '
+                       'mix out.')
+  flags.DEFINE_string('checksums', '', 'A sha256sum-style file (`HEX  relative/path` '
+                      'lines) when the source publishes checksums.')
+  flags.DEFINE_bool(
+      'skip_missing', False, 'Write the local mix without files the server does not have (404). '
+      "The instance ids, and so the data order, then differ from Ai2's run.")
+  flags.DEFINE_string('local_mix', '', "Local mix file to write; '' -> "
+                      'OUTPUT_DIR/<mix name>.txt.')
+  flags.DEFINE_integer('seq_len', 8192, '--list: instances per source at this length '
+                       '(OLMo-core pretrain-1: 8192).')
+  flags.DEFINE_integer('workers', 8, 'Parallel downloads (and HEAD requests).')
+  flags.DEFINE_integer('retries', 5, 'Retries per file after a failure.')
+  flags.DEFINE_float('timeout', 60.0, 'Seconds without progress before a retry.')
+
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

