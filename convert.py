@@ -2,6 +2,11 @@
 
     python convert.py --from_hf=HF_DIR --to=CKPT_DIR [--overwrite]   # HF -> our checkpoint
     python convert.py --from_ckpt=CKPT_DIR --to_hf=HF_DIR             # our checkpoint -> HF
+    python convert.py --from_olmo_core=STEP_DIR_OR_URL --to=CKPT_DIR   # OLMo-core -> ours
+    python convert.py --from_ckpt=CKPT_DIR --to_olmo_core=STEP_DIR     # ours -> OLMo-core
+
+The OLMo-core formats (weights, AdamW moments, step, data position) live in
+olmo_core_ckpt.py; they need torch: pip install '.[olmo-core]'.
 
 Tensors are streamed one at a time from memory-mapped safetensors into the
 stacked [L, ...] arrays of model.py (and back, one output shard at a time), so
@@ -605,25 +610,49 @@ def _copy_files(source: str, names: list[str], destination: str) -> None:
 
 def main(argv):
   del argv
-  from_hf = bool(FLAGS.from_hf) and bool(FLAGS.to) and not (FLAGS.from_ckpt or FLAGS.to_hf)
-  to_hf = bool(FLAGS.from_ckpt) and bool(FLAGS.to_hf) and not (FLAGS.from_hf or FLAGS.to)
-  if from_hf == to_hf:
-    raise app.UsageError('Give --from_hf=DIR --to=CKPT_DIR, or --from_ckpt=CKPT_DIR --to_hf=DIR.')
+  modes = {'from_hf': {'from_hf', 'to'}, 'to_hf': {'from_ckpt', 'to_hf'},
+           'from_olmo_core': {'from_olmo_core', 'to'},
+           'to_olmo_core': {'from_ckpt', 'to_olmo_core'}}
+  given = {f for f in set().union(*modes.values()) if getattr(FLAGS, f)}
+  chosen = [mode for mode, pair in modes.items() if given == pair]
+  if len(chosen) != 1:
+    raise app.UsageError('Give --from_hf=DIR --to=CKPT_DIR, --from_ckpt=CKPT_DIR --to_hf=DIR, '
+                         '--from_olmo_core=STEP_DIR_OR_URL --to=CKPT_DIR, or '
+                         '--from_ckpt=CKPT_DIR --to_olmo_core=STEP_DIR.')
+  mode = chosen[0]
   try:
-    if from_hf:
+    if mode == 'from_hf':
       check_destination(FLAGS.to, FLAGS.overwrite)  # before minutes of reading weights
       params, cfg = load_hf(FLAGS.from_hf)
       save_checkpoint_params(params, cfg, FLAGS.to, hf_source=read_hf_source(FLAGS.from_hf),
                              overwrite=FLAGS.overwrite)
       print(f'{FLAGS.from_hf} -> {FLAGS.to}/step_0 ({cfg.num_layers} layers, vocab '
             f'{cfg.vocab_size})')
-    else:
+    elif mode == 'to_hf':
       dtype = export_hf(FLAGS.from_ckpt, FLAGS.to_hf, step=FLAGS.step, dtype=FLAGS.dtype,
                         vocab_size=FLAGS.vocab_size, tokenizer=FLAGS.tokenizer)
       print(f'{FLAGS.from_ckpt} -> {FLAGS.to_hf} ({dtype})')
-  except (ConversionError, FileNotFoundError, FileExistsError,
+    elif mode == 'from_olmo_core':
+      import olmo_core_ckpt  # pylint: disable=import-outside-toplevel  # needs the olmo-core extra
+      check_destination(FLAGS.to, FLAGS.overwrite)  # before a download
+      src = FLAGS.from_olmo_core
+      if re.match(r'^(https?|gs|s3)://', src):
+        src = olmo_core_ckpt.fetch(src, FLAGS.cache_dir)
+      out = olmo_core_ckpt.import_step(src, FLAGS.to, overwrite=FLAGS.overwrite)
+      moments = (f"Adam count {out['adam_count']}" if out['moments']
+                 else 'no optimizer state: moments start at zero')
+      print(f"{FLAGS.from_olmo_core} -> {FLAGS.to}/step_{out['step']} ({moments})")
+    else:
+      import olmo_core_ckpt  # pylint: disable=import-outside-toplevel  # needs the olmo-core extra
+      step = olmo_core_ckpt.export_step(FLAGS.from_ckpt, FLAGS.to_olmo_core, step=FLAGS.step)
+      print(f'{FLAGS.from_ckpt}/step_{step} -> {FLAGS.to_olmo_core} (OLMo-core load_path)')
+  except (ConversionError, FileNotFoundError, FileExistsError, ImportError,
           checkpoint.CorruptCheckpointError) as e:
     raise SystemExit(f'convert.py: error: {e}') from e
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ in ('OlmoCoreCheckpointError', 'DownloadError'):
+      raise SystemExit(f'convert.py: error: {e}') from e
+    raise
 
 
 if __name__ == '__main__':
@@ -638,6 +667,12 @@ if __name__ == '__main__':
                     "source's when the checkpoint came from HF, else float32)")
   flags.DEFINE_integer('vocab_size', None, "HF vocab rows (default: the HF source's, else the "
                        'config data.vocab_size)')
+  flags.DEFINE_string('from_olmo_core', None, 'OLMo-core step directory (stepN/) or its '
+                      'http(s) URL: weights, AdamW moments, step, data position, config')
+  flags.DEFINE_string('to_olmo_core', None, 'OLMo-core step directory to write (for its '
+                      "trainer's load_path)")
+  flags.DEFINE_string('cache_dir', None, 'where a --from_olmo_core URL is downloaded '
+                      '(default ~/.cache/olmo3_jax/olmo_core)')
   flags.DEFINE_string('tokenizer', None, "tokenizer.json to export (default: the HF source's "
                       "tokenizer files, else data/tokenizer.json when its vocabulary is the run's)")
   FLAGS = flags.FLAGS
