@@ -2,7 +2,8 @@
 
 Source: OLMo-core `src/scripts/official/OLMo-3-1025-7B-midtrain.py`; the
 numbers are explained in docs/recipe.md. Set `train.init_from` to the final stage-1
-checkpoint and `data.mix_file` to the midtrain mix (OLMo-core ships
+checkpoint (ours, or Ai2's converted with `convert.py --from_olmo_core`, which carries
+the AdamW moments and count: docs/olmo_core_checkpoints.md) and `data.mix_file` to the midtrain mix (OLMo-core ships
 `olmo_core/data/mixes/OLMo-midtraining-mix-0925-ingredient{1,2}-100B.txt`).
 """
 
