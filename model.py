@@ -105,10 +105,13 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   batch on every device (N-fold redundant compute and memory). Outside a
   mesh context (tests, eval, CPU) it does nothing.
   """
-  axes = tuple(a for a in BATCH_AXES if a in jax.sharding.get_abstract_mesh().axis_names)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   if not axes:
     return x
-  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))
+  # Context parallelism splits time too (kernels/context_parallel.py).
+  time = 'context' if kernels.context_parallel.degree(mesh) > 1 else None
+  return jax.lax.with_sharding_constraint(x, P(axes, time, *([None] * (x.ndim - 2))))
 
 
 # --- Norms and rotary embeddings -------------------------------------------
@@ -156,6 +159,21 @@ def rope_frequencies(cfg: ml_collections.ConfigDict, full_layer: bool
   interpolation_freq = (1.0 / (factor * pos_freqs)).astype(np.float32)
   inv_freq = interpolation_freq * (1 - extrapolation) + inv_freq * extrapolation
   return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def positions(cfg: ml_collections.ConfigDict, b: int, t: int,
+              segment_ids_BT: jax.Array | None) -> jax.Array:
+  """RoPE positions [B, T]: 0..T-1, or restarting at 0 in each document.
+
+  `rope_document_positions` is OLMo-core 3.0's non-context-parallel rule for
+  packed documents; the code Ai2 ran stage 3 with kept 0..T-1 (docs/long_context.md).
+  """
+  position_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+  if not (cfg.get('rope_document_positions', False) and segment_ids_BT is not None):
+    return position_BT
+  starts_BT = jnp.pad(segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1], ((0, 0), (1, 0)),
+                      constant_values=True)
+  return position_BT - jax.lax.cummax(jnp.where(starts_BT, position_BT, 0), axis=1)
 
 
 def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scale: float
@@ -263,7 +281,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
 
   b, t = tokens_BT.shape
   if positions_BT is None:
-    positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+    positions_BT = positions(cfg, b, t, segment_ids_BT)
   period = len(cfg.layer_pattern)
   ropes = {kind: rope_tables(positions_BT, *rope_frequencies(cfg, kind == 'F'))
            for kind in set(cfg.layer_pattern)}

@@ -57,7 +57,7 @@ FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 EXIT_PREEMPTED = 3  # a distinct exit code: checkpoint written, resume with the same command
 EXIT_DIVERGED = 4  # the divergence guard stopped the run: do not restart it unchanged
 BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # 'context' only when train.mesh_context > 1
 
 
 class TrainState(NamedTuple):
@@ -69,18 +69,27 @@ class TrainState(NamedTuple):
 
 
 def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
-  """The ('data', 'fsdp', 'tensor') sizes for `devices`; the one set to -1 takes the rest."""
-  shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, cfg_train.mesh_tensor]
+  """The ('data', 'fsdp'[, 'context'], 'tensor') sizes for `devices`; a -1 takes the rest.
+
+  The 'context' axis (context parallelism, kernels/context_parallel.py) is
+  there only when train.mesh_context > 1, so other meshes keep three axes.
+  """
+  context = cfg_train.get('mesh_context', 1)
+  if context < 1:
+    raise ValueError(f'train.mesh_context={context} must be an integer >= 1 (1: no context '
+                     'parallelism); set --config.train.mesh_context.')
+  shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, context, cfg_train.mesh_tensor]
   known = int(np.prod([s for s in shape if s != -1]))
   if shape.count(-1) > 1 or devices % known:
-    raise ValueError(f'mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) does not fit '
+    raise ValueError(f'mesh (data={shape[0]}, fsdp={shape[1]}, context={shape[2]}, '
+                     f'tensor={shape[3]}) does not fit '
                      f'{devices} devices; set train.mesh_* so their product is the device count '
                      '(one of them may be -1).')
   shape = [devices // known if s == -1 else s for s in shape]
   if int(np.prod(shape)) != devices:
     raise ValueError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices} devices; '
                      'set one of train.mesh_* to -1 to let it follow the device count.')
-  return dict(zip(MESH_AXES, shape))
+  return {axis: n for axis, n in zip(MESH_AXES, shape) if axis != 'context' or n > 1}
 
 
 def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
@@ -88,7 +97,7 @@ def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
   devices = np.asarray(jax.devices() if devices is None else devices)
   shape = mesh_shape(cfg_train, devices.size)
   # Plain Mesh = Auto axes: jax.make_mesh's Explicit axes break hk-style gathers.
-  return Mesh(devices.reshape(tuple(shape.values())), MESH_AXES)
+  return Mesh(devices.reshape(tuple(shape.values())), tuple(shape))
 
 
 # Partition spec per parameter name: FSDP shards d_model, tensor-parallel
@@ -229,6 +238,24 @@ def load_init(cfg: ml_collections.ConfigDict, mesh: Mesh, state: TrainState,
 # --- The step ---------------------------------------------------------------------------
 
 
+def sequence_layout(cfg_model: ml_collections.ConfigDict, mesh: Mesh,
+                    batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Under context parallelism, the batch's [B, T] arrays in the zig-zag layout, split over T.
+
+  RoPE positions are computed in natural order first and travel with their
+  tokens; the loss is a sum over tokens, so reordering them changes nothing.
+  Without a 'context' axis the batch is returned as it is.
+  """
+  cp = kernels.context_parallel.degree(mesh)
+  if cp == 1:
+    return batch
+  b, t = batch['tokens'].shape
+  batch = dict(batch, positions=model.positions(cfg_model, b, t, batch.get('segment_ids')))
+  split = NamedSharding(mesh, P(BATCH_AXES, 'context'))
+  return {k: jax.lax.with_sharding_constraint(kernels.context_parallel.to_layout(v, cp), split)
+          if v.ndim == 2 and v.shape[1] == t else v for k, v in batch.items()}
+
+
 def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
   """One optimizer step over the global batch, in `accum` micro-batches.
 
@@ -239,8 +266,9 @@ def make_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh, accum: int):
   net, tx = model.build(cfg.model), optim.make_optimizer(cfg.opt)
 
   def sums(params, mb):
+    mb = sequence_layout(cfg.model, mesh, mb)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # model.constrain_batch needs it
-      h_BTD = net.apply(params, mb['tokens'], mb.get('segment_ids'))
+      h_BTD = net.apply(params, mb['tokens'], mb.get('segment_ids'), mb.get('positions'))
     return optim.loss_sums(h_BTD, params['lm_head']['w'], mb['labels'], mb['instance_mask'],
                            z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
 
@@ -284,8 +312,9 @@ def make_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
   net = model.build(cfg.model)
 
   def step(params, batch):
+    batch = sequence_layout(cfg.model, mesh, batch)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'))
+      h_BTD = net.apply(params, batch['tokens'], batch.get('segment_ids'), batch.get('positions'))
     ce, _ = optim.loss_sums(h_BTD, params['lm_head']['w'], batch['labels'],
                             batch['instance_mask'], z_loss=0.0, chunk=cfg.opt.loss_chunk)
     return ce, optim.loss_denominator(batch['labels'], batch['instance_mask'])
@@ -450,7 +479,8 @@ class Progress:
       print(f"step {step:>7d}/{self.steps}  loss {last['train/CE loss']:.4f}  "
             f"lr {last['optim/LR']:.3g}  gnorm {last['optim/total grad norm']:.3f}  "
             f"{last['throughput/device/TPS']:,.0f} tok/s/dev  {last['time/step'] * 1e3:.0f} "
-            'ms/step' + ('  [skipped]' if last['optim/step skipped'] else ''), flush=True)
+            f"ms/step  eta {_duration((self.steps - step) * last['time/step'])}"
+            + ('  [skipped]' if last['optim/step skipped'] else ''), flush=True)
     for s, record in records:
       self.writer.write(s, record)
     return last
@@ -471,6 +501,14 @@ class Progress:
       out['throughput/device/MFU'] = tps * self.flops_per_token / self.peak
     self.window_start, self.window_step, self.data_wait = time.perf_counter(), step, 0.0
     return out
+
+
+def _duration(seconds: float) -> str:
+  """'1h02m', '3m05s' or '42s': the ETA of the steps left at the last window's speed."""
+  s = int(round(seconds))
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{s}s'
 
 
 class Preemption:
@@ -520,6 +558,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if cfg.data.vocab_size > cfg.model.vocab_size:
     raise ValueError(f'data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size='
                      f'{cfg.model.vocab_size}: token ids would index past the embedding.')
+  kernels.context_parallel.check_seq_len(cfg.data.seq_len, cfg.train.get('mesh_context', 1))
   t = cfg.train
   rules = (  # field, holds, what it must be
       ('steps', t.steps >= 1, 'an integer >= 1'),
@@ -614,6 +653,11 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset
   train_step = jax.jit(make_train_step(cfg, mesh, accum), donate_argnums=0,
                        out_shardings=(shardings, None))
   evaluate = held_out_evaluator(cfg, mesh)
+  repeats = guards.RepeatTracker(ds.num_instances) if cfg.train.track_repeats else None
+  if repeats is not None and loader.step:  # a resumed epoch: its earlier batches were seen
+    repeats.replay(loader.epoch, (loader.ids_at(loader.epoch, s) for s in range(loader.step)))
+  memorization = guards.MemorizationWatch(cfg.train.memorization_threshold,
+                                          cfg.train.memorization_evals)
 
   writer = MetricWriter(workdir, start)
   guard = guards.DivergenceGuard(cfg.train)
@@ -633,6 +677,9 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset
       ckpt.poll()  # a failed background save stops the run now, not at the next save
       state, metrics = train_step(state, batch)
       step += 1
+      if repeats is not None:  # host-side: the ids of the batch just taken
+        metrics = {**metrics, 'data/repeated instances': repeats.observe(
+            loader.last_position[0], loader.ids_at(*loader.last_position))}
       progress.add(step, metrics, wait)
       preempted = preempt.agreed()
       finished = step == cfg.train.steps
@@ -640,13 +687,15 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset
       log = step % cfg.train.log_every == 0 or finished or preempted
       if log or save:  # a save is judged healthy only after the guard saw its step
         last = progress.flush(log)
+        memorization.observe_train(step, last['train/CE loss'])
       if guard.reason:
         stop_diverged(guard.reason, step, cfg, ckpt, state,
                       checkpoint_meta(cfg, step, loader, version), writer)
       # Not on preemption: the grace period is for the checkpoint.
       if evaluate and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or finished):
         val = evaluate(state.params)
-        writer.write(step, val)
+        writer.write(step, {**val, **memorization.observe_eval(
+            step, val['eval/lm/validation/CE loss'])})
         last.update(val)
         print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
               flush=True)
@@ -709,20 +758,34 @@ def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
 
 
 def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: int,
-                 prompt: str = 'ROMEO:') -> None:
-  """Greedy continuation of `prompt` with the embedded tokenizer (small configs only)."""
+                 prompt: str = 'ROMEO:\n', temperature: float = 0.8, top_k: int = 40,
+                 seed: int = 0) -> None:
+  """A continuation of `prompt` with the embedded tokenizer (small configs only).
+
+  Sampled at `temperature` from the `top_k` likeliest tokens with a fixed seed
+  (so a rerun prints the same text), as nanoGPT does: greedy decoding of a
+  small model loops on its likeliest phrase ("and I have the king, and I
+  have the king"), which shows what it learned less well than a sample does.
+  """
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tokenizer.json')
   if cfg.data.vocab_size > 65536 or not os.path.exists(path):
     return
   tok = Tokenizer.from_file(path)
   ids = tok.encode(prompt).ids
   total = min(len(ids) + length, cfg.data.seq_len)
-  logits_fn = jax.jit(lambda p, t: model.logits(p, t, cfg.model))
+
+  @jax.jit
+  def next_token(p, tokens_1T, t, key):
+    logits_V = model.logits(p, tokens_1T, cfg.model)[0, t - 1, :cfg.data.vocab_size]
+    top_logits_k, top_ids_k = jax.lax.top_k(logits_V.astype(jnp.float32) / temperature, top_k)
+    return top_ids_k[jax.random.categorical(key, top_logits_k)]
+
   tokens = np.zeros((1, total), np.int32)
   tokens[0, :len(ids)] = ids
+  key = jax.random.key(seed)
   for t in range(len(ids), total):  # causal, so the zero padding after t is never seen
-    out = logits_fn(params, jnp.asarray(tokens))
-    tokens[0, t] = int(jnp.argmax(out[0, t - 1, :cfg.data.vocab_size]))
+    tokens[0, t] = int(next_token(params, jnp.asarray(tokens), t, jax.random.fold_in(key, t)))
+  logging.info('Sample: temperature %g, top-%d, seed %d.', temperature, top_k, seed)
   print('--- sample ---\n' + tok.decode(tokens[0].tolist()) + '\n--------------', flush=True)
 
 
@@ -802,7 +865,7 @@ def run() -> None:
   with guards.config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):
     config_flags.DEFINE_config_file('config', DEFAULT_CONFIG, 'Training config file.')
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
-  flags.DEFINE_integer('sample_tokens', 48, 'Greedy sample length printed at the end (0: none).')
+  flags.DEFINE_integer('sample_tokens', 96, 'Length of the sample printed at the end (0: none).')
   flags.DEFINE_bool('dry_run', False, 'Moved: run python plan.py --config=... --devices=N.')
   flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 in a multi-process '
                       'run (default: detected on TPU pods and under SLURM; see init_distributed).')

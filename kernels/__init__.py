@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 import ml_collections
 
+from kernels import context_parallel
 from kernels import xla
 from kernels.flash_attention import BlockSizes
 from kernels.flash_attention import block_schedule
@@ -78,7 +79,31 @@ def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
 
 
 def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
-  """The Ops a model with `cfg` runs on JAX's current backend."""
+  """The Ops a model with `cfg` runs on JAX's current backend.
+
+  Under a mesh whose 'context' axis is > 1 (context parallelism), attention
+  runs through kernels/context_parallel.py with the impl's local attention.
+  """
+  ops = _select(cfg, segments=segments)
+  if ops.impl == 'pallas':
+    local = context_parallel.pallas_local(cfg.attention_block_q, cfg.attention_block_kv,
+                                          interpret=not pltpu.is_tpu_device())
+  elif ops.impl == 'flash_stand_in':
+    local = context_parallel.stand_in_local
+  else:  # 'xla', and 'cudnn' (whose kernel has no query offset)
+    local = context_parallel.xla_local
+  head_stride = cfg.get('context_head_stride', 1)
+
+  def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+    if context_parallel.degree() > 1:
+      return context_parallel.attention(q_BTHK, k_BSGK, v_BSGK, window=window,
+                                        segment_ids_BT=segment_ids_BT, local=local,
+                                        head_stride=head_stride)
+    return ops.attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT)
+  return ops._replace(attention=attention)
+
+
+def _select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
   impl, _ = resolve(cfg, segments=segments)
   if impl == 'xla':
     return Ops(impl, xla.matmul, xla.attention)
@@ -140,7 +165,8 @@ def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
 
 
 __all__ = [
-    'BlockSizes', 'IMPLS', 'Ops', 'block_schedule', 'cudnn_unsupported', 'default_block_sizes',
+    'BlockSizes', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel', 'cudnn_unsupported',
+    'default_block_sizes',
     'flash_attention', 'kv_block_visits', 'reference_attention', 'resolve', 'select',
     'TPU_DEVICE_KINDS', 'xla',
 ]

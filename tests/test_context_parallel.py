@@ -1,0 +1,193 @@
+"""Context parallelism (kernels/context_parallel.py) on the 8 simulated CPU devices of conftest.py.
+
+The reference is the same model without a 'context' axis (the path
+tests/test_model.py holds against HF transformers), and for the local
+attention the float64 oracle of tests/attention_oracle.py: with CP = 2, 4 and
+8 a train step's loss and gradients equal the CP = 1 step's within float32
+reduction noise, with sliding windows, documents, GQA, and both the xla and
+the Pallas (interpret mode) attention paths.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model
+import optim
+import train
+from configs import small
+from kernels import context_parallel
+
+# Gradients of a few-layer model in float32, summed in another order by the
+# reduce-scatter of the key gradients: measured ~1e-6 relative; 2e-5 is noise.
+RTOL = 2e-5
+
+
+def _config(impl='xla', seq_len=64, window=8, head_dim=16):
+  cfg = small.get_config()
+  m = cfg.model
+  m.num_layers, m.layer_pattern, m.d_model, m.mlp_hidden, m.vocab_size = 2, 'SF', 64, 128, 256
+  m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, head_dim  # GQA 2:1
+  m.sliding_window, m.attention_impl = window, impl
+  m.yarn.enabled, m.yarn.original_max_position = True, seq_len // 4  # YaRN on full layers
+  cfg.data.seq_len, cfg.data.global_batch_size, cfg.data.vocab_size = seq_len, 8, 256
+  return cfg
+
+
+def _batch(cfg, seed=0, docs=True):
+  rng = np.random.default_rng(seed)
+  b, t = cfg.data.global_batch_size, cfg.data.seq_len
+  tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
+  batch = {'tokens': tokens[:, :-1], 'labels': tokens[:, 1:],
+           'instance_mask': np.ones(b, bool)}
+  if docs:  # documents of random lengths, some spanning several CP chunks
+    starts = rng.random((b, t)) < 4 / t
+    starts[:, 0] = True
+    batch['segment_ids'] = np.cumsum(starts, axis=1, dtype=np.int32) - 1
+  return batch
+
+
+def _mesh(cfg, cp, fsdp=-1):
+  """(data 1, fsdp, context cp): all 8 devices, or fsdp * cp of them."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.train.mesh_data, cfg.train.mesh_fsdp, cfg.train.mesh_context = 1, fsdp, cp
+  return train.make_mesh(cfg.train, None if fsdp == -1 else jax.devices()[:fsdp * cp])
+
+
+def _put(batch, mesh):
+  """The batch as train.py's loader places it: rows split over the batch axes."""
+  spec = train.batch_sharding(mesh).spec
+  return {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      *spec[:np.ndim(v)]))) for k, v in batch.items()}
+
+
+def _loss_and_grads(cfg, cp, params, batch, fsdp=-1, run=True):
+  """The train step's loss (train.sequence_layout + model + optim.loss_sums), its gradient
+  (None unless `run`) and the compiled function."""
+  mesh = _mesh(cfg, cp, fsdp)
+  net = model.build(cfg.model)
+
+  def loss(p, batch):
+    mb = train.sequence_layout(cfg.model, mesh, batch)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      h = net.apply(p, mb['tokens'], mb.get('segment_ids'), mb.get('positions'))
+    ce, z = optim.loss_sums(h, p['lm_head']['w'], mb['labels'], mb['instance_mask'],
+                            z_loss=1e-4, chunk=cfg.opt.loss_chunk)
+    return ce + z
+
+  shardings = train.state_shardings(train.abstract_state(cfg), mesh).params
+  params = jax.device_put(params, shardings)
+  batch = _put(batch, mesh)
+  compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+  return (jax.device_get(compiled(params, batch)) if run else None), compiled
+
+
+def _assert_close(got, want, rtol=RTOL):
+  (loss_got, g_got), (loss_want, g_want) = got, want
+  np.testing.assert_allclose(loss_got, loss_want, rtol=rtol)
+  for path, a in jax.tree_util.tree_leaves_with_path(g_got):
+    b = functools.reduce(lambda t, k: t[k.key], path, g_want)
+    scale = np.abs(b).max() + 1e-30
+    np.testing.assert_array_less(np.abs(a - b).max() / scale, rtol * 10,
+                                 err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope='module')
+def xla_setup():
+  cfg = _config()
+  params = model.init_params(cfg.model, jax.random.key(1))
+  batch = _batch(cfg)
+  reference, _ = _loss_and_grads(cfg, 1, params, batch)
+  return cfg, params, batch, reference
+
+
+@pytest.mark.parametrize('cp', [2, 4, 8])
+def test_xla_loss_and_grads_equal_cp1(xla_setup, cp):
+  cfg, params, batch, reference = xla_setup
+  got, _ = _loss_and_grads(cfg, cp, params, batch)
+  _assert_close(got, reference)
+
+
+def test_document_positions_under_cp_equal_cp1():
+  cfg = _config(window=16)
+  cfg.model.rope_document_positions = True
+  params = model.init_params(cfg.model, jax.random.key(2))
+  batch = _batch(cfg, seed=3)
+  _assert_close(_loss_and_grads(cfg, 4, params, batch)[0],
+                _loss_and_grads(cfg, 1, params, batch)[0])
+
+
+def test_window_wider_than_a_chunk_and_no_documents():
+  cfg = _config(window=24)  # CP 8: chunks of 4 tokens, the window spans 6 of them
+  params = model.init_params(cfg.model, jax.random.key(4))
+  batch = _batch(cfg, seed=5, docs=False)
+  _assert_close(_loss_and_grads(cfg, 8, params, batch)[0],
+                _loss_and_grads(cfg, 1, params, batch)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('cp', [2, 8])
+def test_pallas_loss_and_grads_equal_cp1(cp):
+  """The Pallas kernel (interpret mode) under CP against the same kernel without CP."""
+  cfg = _config('pallas', seq_len=256, window=48, head_dim=128)
+  cfg.data.global_batch_size = 2
+  cfg.model.context_head_stride = 1  # one kv head per gather: exercises the head loop
+  params = model.init_params(cfg.model, jax.random.key(6))
+  batch = _batch(cfg, seed=7)
+  _assert_close(_loss_and_grads(cfg, cp, params, batch, fsdp=1)[0],
+                _loss_and_grads(cfg, 1, params, batch, fsdp=1)[0])
+
+
+@pytest.mark.slow
+def test_train_step_metrics_equal_cp1(xla_setup):
+  """The real train step (train.make_train_step) with CP 4 vs without: loss and grad norm."""
+  cfg, params, batch, _ = xla_setup
+  out = {}
+  for cp in (1, 4):
+    mesh = _mesh(cfg, cp)
+    state, shardings = train.create_state(cfg, mesh, jax.random.key(1))
+    state = state._replace(params=jax.device_put(params, shardings.params))
+    step = jax.jit(train.make_train_step(cfg, mesh, accum=1))
+    _, metrics = step(state, _put(batch, mesh))
+    out[cp] = jax.device_get(metrics)
+  for name in ('train/CE loss', 'train/Z loss', 'optim/total grad norm'):
+    np.testing.assert_allclose(out[4][name], out[1][name], rtol=RTOL, err_msg=name)
+
+
+def test_activation_memory_falls_with_the_cp_degree():
+  cfg = _config(seq_len=1024, window=64)
+  cfg.data.global_batch_size = 1
+  params = model.init_params(cfg.model, jax.random.key(0))
+  batch = _batch(cfg, docs=True)
+  batch = {k: v[:1] for k, v in batch.items()}
+  temps = {}
+  for cp in (1, 2, 4, 8):
+    _, compiled = _loss_and_grads(cfg, cp, params, batch, fsdp=1, run=False)
+    temps[cp] = compiled.memory_analysis().temp_size_in_bytes
+  assert temps[2] < 0.7 * temps[1] and temps[4] < 0.7 * temps[2] and temps[8] < 0.8 * temps[4], temps
+
+
+# --- The pieces -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize('seq_len,cp', [(16, 2), (48, 3), (64, 8)])
+def test_layout_round_trip_and_balance(seq_len, cp):
+  order = context_parallel.zigzag_order(seq_len, cp)
+  assert sorted(order) == list(range(seq_len))
+  x = jnp.arange(seq_len)[None]
+  np.testing.assert_array_equal(context_parallel.from_layout(context_parallel.to_layout(x, cp), cp), x)
+  # Causal work per device (keys each query sees) is the same on every device.
+  work = (order + 1).reshape(cp, -1).sum(axis=1)
+  assert len(set(work.tolist())) == 1
+
+
+def test_seq_len_not_divisible_is_a_clear_error():
+  with pytest.raises(ValueError, match='multiple of 2 x mesh_context'):
+    context_parallel.zigzag_order(60, 4)
+  cfg = _config()
+  cfg.data.seq_len, cfg.train.mesh_context = 60, 4
+  with pytest.raises(ValueError, match='data.seq_len or train.mesh_context'):
+    train.validate(cfg)
