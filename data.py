@@ -1189,6 +1189,7 @@ class Loader:
       raise ValueError(f'start (epoch {epoch}, step {step}) is outside epochs >= 1 and steps '
                        f'[0, {self.batches_per_epoch}).')
     self.epoch, self.step = epoch, step  # the next batch to be yielded
+    self.last_position: tuple[int, int] | None = None  # the last yielded batch's (epoch, step)
     self.cache_dir, self.sharding = cache_dir, sharding
     self.repetition_filter, self.document_masking = repetition_filter, document_masking
     self.stop_at_epoch_end = stop_at_epoch_end
@@ -1245,14 +1246,19 @@ class Loader:
       return epoch, step + 1
     return None if self.stop_at_epoch_end else (epoch + 1, 0)
 
+  def ids_at(self, epoch: int, step: int) -> np.ndarray:
+    """Global instance ids of this process's rows for (epoch, step): what batch_at reads."""
+    ids = global_batch_ids(self.ds, self.seed, epoch, step, self.global_batch_size, self.cache_dir)
+    return ids[self.positions]
+
   def batch_at(self, epoch: int, step: int) -> dict[str, Any]:
     """This process's part of the batch for (epoch, step); global arrays if sharded."""
-    ids = global_batch_ids(self.ds, self.seed, epoch, step, self.global_batch_size, self.cache_dir)
+    ids = self.ids_at(epoch, step)
     if isinstance(self.ds, PackedDataset):  # padded instances: labels and segments of the padding
-      tokens_BT, real_B = self.ds.read_with_lengths(ids[self.positions])
+      tokens_BT, real_B = self.ds.read_with_lengths(ids)
       packed = dict(real_B=real_B, bos_token_id=self.ds.bos_token_id)
     else:
-      tokens_BT, packed = self.ds.read(ids[self.positions]), {}
+      tokens_BT, packed = self.ds.read(ids), {}
     batch = make_batch(tokens_BT, eos_token_id=self.ds.eos_token_id,
                        repetition_filter=self.repetition_filter,
                        document_masking=self.document_masking, **packed)
@@ -1285,6 +1291,7 @@ class Loader:
       raise batch
     nxt = self._next_position(*position)
     self.epoch, self.step = nxt if nxt is not None else (position[0] + 1, 0)
+    self.last_position = position  # (epoch, step) of this batch: ids_at(*it) gives its ids
     return batch
 
   def close(self) -> None:

@@ -4,6 +4,8 @@
   change that makes it another run (shapes, data, seeds) is refused.
 - The divergence guard: judges each step (loss bound, skipped steps in a
   row) and whether the state is healthy enough for retention to protect.
+- The data: instance ids seen twice in an epoch (a bitmap of N bits), and
+  training CE falling away from held-out CE (memorization).
 - The command line: a misspelled --config.* field or a missing config file
   becomes one line naming the fix, for train.py and plan.py.
 train.py acts on their verdicts (exit codes, checkpoints, messages).
@@ -19,6 +21,7 @@ from typing import Any
 
 from absl import app, flags, logging
 import ml_collections
+import numpy as np
 
 import model
 
@@ -133,6 +136,132 @@ class DivergenceGuard:
   @property
   def healthy(self) -> bool:
     return self.reason is None and self.skips == 0
+
+
+# --- The data: repeated instances, memorization ---------------------------------------------
+
+
+def mark_seen(bitmap: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """Sets the bits of `ids` in `bitmap` (uint8 [ceil(N / 8)]); returns the ids already set.
+
+  An id repeated within `ids` counts once per repeat, like one seen before.
+  Vectorized: a sort finds the repeats within `ids`, and the distinct ids of
+  each byte sum to their OR (one add.reduceat), so a batch of millions of ids
+  costs one sort. scripts/audit_data.py and RepeatTracker share it.
+  """
+  ids = np.sort(np.asarray(ids, np.int64).reshape(-1))
+  if not ids.size:
+    return ids
+  if ids[0] < 0 or ids[-1] >= 8 * bitmap.size:
+    raise IndexError(f'instance ids [{ids[0]}, {ids[-1]}] fall outside the {8 * bitmap.size}-bit '
+                     'bitmap; it was sized for another dataset.')
+  again = np.zeros(ids.size, bool)
+  again[1:] = ids[1:] == ids[:-1]
+  distinct = ids[~again]
+  byte, bit = distinct >> 3, (1 << (distinct & 7)).astype(np.uint8)
+  again[np.flatnonzero(~again)[(bitmap[byte] & bit) != 0]] = True
+  starts = np.flatnonzero(np.diff(byte, prepend=-1))
+  bitmap[byte[starts]] |= np.add.reduceat(bit, starts).astype(np.uint8)
+  return ids[again]
+
+
+class RepeatTracker:
+  """The `data/repeated instances` metric: instance ids already seen this epoch.
+
+  One bit per instance of the dataset (N bits: 90 MB for the 724M instances
+  of stage 1), cleared when the epoch changes. OLMo-core's order shows each
+  instance once per epoch, so any nonzero count is a loader bug: the one the
+  seed's run had, which repeated sequences and let the model memorize them.
+  It counts the rows this process loads (all of them on one host).
+  """
+
+  def __init__(self, num_instances: int):
+    self.bitmap = np.zeros((num_instances + 7) // 8, np.uint8)
+    self.epoch: int | None = None
+    self.total = self.steps_with_repeats = 0  # repeats this epoch, and steps that had any
+
+  def observe(self, epoch: int, ids: np.ndarray) -> int:
+    """Marks one step's ids; returns how many were already seen this epoch (and warns)."""
+    if epoch != self.epoch:
+      self.bitmap[:] = 0
+      self.epoch, self.total, self.steps_with_repeats = epoch, 0, 0
+    repeated = mark_seen(self.bitmap, ids)
+    self.total += repeated.size
+    if repeated.size:
+      self.steps_with_repeats += 1
+      if self.steps_with_repeats & (self.steps_with_repeats - 1) == 0:  # 1st, 2nd, 4th, ...
+        logging.warning('data/repeated instances: %d instance ids of this step (e.g. %s) were '
+                        'already seen in epoch %d (%d repeats in %d steps so far). The loader '
+                        'repeats data: the model will memorize it. Run scripts/audit_data.py '
+                        'on this config.', repeated.size, repeated[:5].tolist(), epoch,
+                        self.total, self.steps_with_repeats)
+    return int(repeated.size)
+
+  def replay(self, epoch: int, steps_ids) -> None:
+    """Marks the ids of a resumed epoch's earlier steps (an iterable of arrays) as seen."""
+    chunk: list[np.ndarray] = []
+    for ids in steps_ids:
+      chunk.append(ids)
+      if len(chunk) == 1024:  # one vectorized mark per 1024 steps
+        self.observe(epoch, np.concatenate(chunk))
+        chunk = []
+    self.observe(epoch, np.concatenate(chunk) if chunk else np.zeros(0, np.int64))
+
+
+class MemorizationWatch:
+  """Warns when training CE falls faster than held-out CE over several evaluations.
+
+  The signature of memorization (the seed's run: training loss up to 0.22
+  below Ai2's while held-out C4 loss stayed tied): the gap held-out minus
+  train widens. At each evaluation the train CE is a least-squares line
+  through the (step, CE) values logged since the previous evaluation, read at
+  the evaluation's step: less noisy than one step's CE, and, unlike a mean, it
+  does not lag a falling loss (a lag would read as a widening gap early in
+  every run). The warning fires when the gap grew by more than `threshold`
+  nats across the last `evals` evaluations. In a healthy first epoch the gap
+  stays near constant: each train CE is measured before the update, on data
+  the model has not seen, just as held-out CE is.
+  """
+
+  def __init__(self, threshold: float, evals: int):
+    if not threshold > 0 or evals < 2:
+      raise ValueError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
+                       f'>= 2; got {threshold} and {evals}.')
+    self.threshold, self.evals = threshold, evals
+    self.train: list[tuple[int, float]] = []  # (step, train CE) logged since the last eval
+    self.gaps: list[tuple[int, float, float, float]] = []  # (step, train, held-out, gap)
+
+  def observe_train(self, step: int, ce: float) -> None:
+    if np.isfinite(ce):
+      self.train.append((step, ce))
+
+  def observe_eval(self, step: int, heldout_ce: float) -> dict[str, str]:
+    """Records one evaluation; returns {'guard/memorization': text} when the warning fires.
+
+    The warning also goes to the log and stderr: it is never silent. The
+    history lives in memory: after a resume it needs `evals` new evaluations.
+    """
+    if not self.train or not np.isfinite(heldout_ce):
+      return {}
+    steps, ces = np.array(self.train, np.float64).T
+    self.train = []
+    if steps.size > 1 and np.ptp(steps) > 0:  # the trend line at this step
+      train = float(np.polyfit(steps - step, ces, 1)[1])  # the intercept: CE at `step`
+    else:
+      train = float(ces[-1])
+    self.gaps.append((step, train, heldout_ce, heldout_ce - train))
+    if len(self.gaps) < self.evals:
+      return {}
+    (s0, t0, h0, g0), (s1, t1, h1, g1) = self.gaps[-self.evals], self.gaps[-1]
+    if g1 - g0 <= self.threshold:
+      return {}
+    warning = (f'possible memorization: from step {s0} to {s1} training CE fell {t0 - t1:.3f} '
+               f'(to {t1:.3f}) but held-out CE {h0 - h1:.3f} (to {h1:.3f}); the gap widened by '
+               f'{g1 - g0:.3f} nats > train.memorization_threshold={self.threshold:g}. Check '
+               'data/repeated instances and run scripts/audit_data.py on this config.')
+    logging.warning(warning)
+    print(f'WARNING: {warning}', file=sys.stderr, flush=True)
+    return {'guard/memorization': warning}
 
 
 # --- The command line -------------------------------------------------------------------

@@ -46,7 +46,7 @@ DOLMA2_ID = 'allenai/dolma2-tokenizer'
 def mixes_dir() -> str:
   """olmo_core/data/mixes in the installed ai2-olmo-core wheel."""
   try:
-    import olmo_core  # the test extra provides it; only mix names need it  # pylint: disable=g-import-not-at-top
+    import olmo_core  # pylint: disable=g-import-not-at-top  # test extra; only mix names need it
   except ImportError as e:
     raise FileNotFoundError('mix names are looked up in the ai2-olmo-core wheel, which is not '
                             "installed: pip install 'ai2-olmo-core==3.0.0', or pass --mix as "

@@ -1,0 +1,434 @@
+"""Audits a config's data: no instance repeats in the planned run, and repeated content.
+
+  python scripts/audit_data.py --config=configs/olmo3_7b.py --config.data.mix_file=MIX \
+      [--devices=512] [--steps=N] [--resume_every=1000] [--content] [--ngrams]
+  python scripts/audit_data.py --config=configs/olmo3_7b.py --num_instances=723872768  # order only
+
+1. Order (always). The planned steps are driven through data.Loader itself
+   (its position bookkeeping, epoch rollover and resume checks; only the token
+   read is skipped), restarted from its saved state at every resume point.
+   Each step's ids are split as the run splits them (W data-parallel ranks,
+   A micro-batches each: data.batch_positions, data.grad_accum_steps) and
+   marked in a bitmap of N bits per epoch (guards.mark_seen, shared with the
+   in-loop `data/repeated instances` metric). It proves every instance id is
+   read at most once per epoch, and exactly once in each complete epoch except
+   the tail OLMo-core drops (N mod B). With --num_instances (or a mix whose
+   files are absent but list their sizes) it needs no token files: the order
+   depends only on N, the seed and the epoch.
+2. Content (--content): 128-bit hashes of every instance (T tokens) and of
+   every document (tokens up to and including each EOS), spilled to --tmp_dir
+   in hash buckets so memory stays under --memory_mb; reports identical
+   instances and documents repeated across mix entries (a file listed twice is
+   two entries) or within one.
+3. N-grams (--ngrams): per instance, OLMo-core's InstanceFilterConfig
+   statistic (the longest run of a period-p pattern, p in [1, 13], in repeats)
+   as a histogram, and how many instances its filter (max_count 32) rejects.
+
+Exit code 1 when an instance id repeats or identical instances exist; the
+report (also --json) says where.
+"""
+
+import collections
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402  (the repository root must be on the path first)
+import guards  # noqa: E402
+
+FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
+_CHUNK_STEPS = 1024  # steps whose ids are marked in one vectorized call
+_CHUNK_TOKENS = 1 << 22  # tokens hashed per vectorized call
+_MAX_EXAMPLES = 10  # offending ids/files listed per finding
+
+
+# --- The order --------------------------------------------------------------------------------
+
+
+class SizedDataset(data.Dataset):
+  """A data.Dataset from file sizes alone (no file is opened): for auditing the order."""
+
+  def __init__(self, sizes: list[int], *, seq_len: int, vocab_size: int, eos_token_id: int,
+               pad_token_id: int, paths: list[str] | None = None,
+               labels: list[str] | None = None):
+    paths = paths or [f'file{i}' for i in range(len(sizes))]
+    labels = labels or [''] * len(sizes)
+    self.files = tuple(data.TokenFile(p, s, 0, s // 4, l) for p, s, l in zip(paths, sizes, labels))
+    self.seq_len, self.vocab_size = seq_len, vocab_size
+    self.eos_token_id, self.pad_token_id, self.bos_token_id = eos_token_id, pad_token_id, None
+    self.max_target_sequence_length = seq_len
+    counts = np.array([f.num_tokens // seq_len for f in self.files], np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(counts)])
+    self.num_instances = int(self.starts[-1])
+    if not self.num_instances:
+      raise ValueError(f'the listed sizes give no instance of {seq_len} tokens.')
+
+  def read(self, ids):
+    raise RuntimeError('SizedDataset has sizes, not tokens: the content audit needs the files.')
+
+
+class _IdLoader(data.Loader):
+  """data.Loader yielding each step's instance ids (ids_at) instead of reading tokens."""
+
+  def batch_at(self, epoch: int, step: int) -> np.ndarray:  # type: ignore[override]
+    return self.ids_at(epoch, step)
+
+
+def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1,
+                micro_batch_size: int | None = None, resume_every: int = 0,
+                cache_dir: str | None = None, progress: bool = False) -> dict[str, Any]:
+  """Drives the planned `steps` through data.Loader; every id once per epoch, or where not."""
+  B, N = cfg_data.global_batch_size, ds.num_instances
+  per_epoch = data.batches_per_epoch(ds, B)
+  positions = data.batch_positions(B, devices)  # row -> global-batch position, rank-major
+  mb = micro_batch_size or B // devices
+  accum = data.grad_accum_steps(B, devices, mb)
+  bitmap = np.zeros((N + 7) // 8, np.uint8)
+  marked = collections.Counter()  # epoch -> ids marked
+  repeats: list[dict[str, int]] = []  # examples: where repeated ids were read
+  resumes = 0
+  loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, cache_dir=cache_dir)
+  loader.positions = positions  # W ranks: row block r is rank r's instances, in its order
+  chunk: list[tuple[int, int, np.ndarray]] = []  # (epoch, step index in run, ids in row order)
+  start = time.time()
+
+  def flush() -> None:
+    for epoch in sorted({e for e, _, _ in chunk}):
+      part = [(k, ids) for e, k, ids in chunk if e == epoch]
+      ids = np.concatenate([ids for _, ids in part])
+      if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= N):
+        raise ValueError(f'epoch {epoch}: the loader produced ids outside [0, {N}).')
+      if epoch != flush.epoch:
+        bitmap[:] = 0
+        flush.epoch = epoch
+      again = guards.mark_seen(bitmap, ids)
+      marked[epoch] += ids.size
+      flush.repeats += again.size
+      if again.size and len(repeats) < _MAX_EXAMPLES:
+        repeats.extend(_sightings(part, np.unique(again)[:_MAX_EXAMPLES], epoch, mb,
+                                  B // devices))
+    chunk.clear()
+  flush.epoch, flush.repeats = None, 0
+
+  with loader:
+    for k in range(steps):
+      if resume_every and k and k % resume_every == 0:  # as train.py resumes from a checkpoint
+        state = json.loads(json.dumps(loader.state()))
+        loader.close()
+        loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir)
+        loader.positions = positions
+        resumes += 1
+      ids = next(loader)
+      chunk.append((loader.last_position[0], k, np.asarray(ids)))
+      if len(chunk) == _CHUNK_STEPS:
+        flush()
+        if progress:
+          rate = (k + 1) / max(time.time() - start, 1e-9)
+          sys.stderr.write(f'\rorder: step {k + 1:,}/{steps:,}  {rate:,.0f} steps/s  '
+                           f'ETA {(steps - k - 1) / rate:,.0f}s ')
+    flush()
+    loader.close()
+  if progress:
+    sys.stderr.write('\n')
+  complete = {e: n for e, n in marked.items() if n == per_epoch * B}
+  return {'instances': N, 'global_batch': B, 'batches_per_epoch': per_epoch, 'steps': steps,
+          'ranks': devices, 'micro_batches': accum, 'micro_batch_size': mb, 'resumes': resumes,
+          'ids_read': int(sum(marked.values())), 'repeated_ids': int(flush.repeats),
+          'repeat_sightings': repeats[:3 * _MAX_EXAMPLES],
+          'complete_epochs': sorted(complete), 'dropped_tail_per_epoch': N - per_epoch * B,
+          'seconds': time.time() - start}
+
+
+def _sightings(part: list[tuple[int, np.ndarray]], wanted: np.ndarray, epoch: int, mb: int,
+               per_rank: int) -> list[dict[str, int]]:
+  """Every reading of the `wanted` ids in `part`: step, rank, micro-batch."""
+  out = []
+  for k, ids in part:
+    for row in np.flatnonzero(np.isin(ids, wanted)):
+      out.append({'id': int(ids[row]), 'epoch': epoch, 'step': k, 'rank': int(row // per_rank),
+                  'micro_batch': int(row % per_rank // mb)})
+  return out
+
+
+# --- Content: identical instances and repeated documents ----------------------------------
+
+# Fixed random odd weights per position: the same content always hashes alike, and two
+# independent 64-bit hashes make a false match ~M^2 / 2^129 for M hashed items.
+_WEIGHTS = np.random.default_rng(0x0157A0D17).integers(1, 2**63, (2, 1 << 16),
+                                                      dtype=np.uint64) | np.uint64(1)
+_RECORD = np.dtype([('h1', '<u8'), ('h2', '<u8'), ('ref', '<u8')])
+
+
+def _mix(tokens: np.ndarray) -> np.ndarray:
+  """A nonlinear per-token scramble, so the position-weighted sums are not plain linear."""
+  y = (tokens.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+  return y ^ (y >> np.uint64(29))
+
+
+def hash_spans(tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Two 64-bit hashes of each span tokens[starts[i]:starts[i+1]] (the last runs to the end).
+
+  Position-in-span weights make a span hash the same wherever the span lies.
+  """
+  span = np.repeat(np.arange(starts.size), np.diff(np.append(starts, tokens.size)))
+  pos = (np.arange(tokens.size) - starts[span]) % _WEIGHTS.shape[1]
+  y = _mix(tokens)
+  lengths = np.diff(np.append(starts, tokens.size)).astype(np.uint64)
+  return tuple(np.add.reduceat(y * _WEIGHTS[k][pos], starts)
+               ^ (lengths * np.uint64(0xC2B2AE3D27D4EB4F + k)) for k in (0, 1))
+
+
+class _Buckets:
+  """(h1, h2, ref) records spilled to disk by the top bits of h1; grouped one bucket at a time."""
+
+  def __init__(self, directory: str, count: int):
+    self.bits = max(0, math.ceil(math.log2(max(count, 1))))
+    self.paths = [os.path.join(directory, f'bucket{b:05d}') for b in range(1 << self.bits)]
+    self.files = [open(p, 'wb') for p in self.paths]
+
+  def add(self, h1: np.ndarray, h2: np.ndarray, ref: np.ndarray) -> None:
+    rec = np.empty(h1.size, _RECORD)
+    rec['h1'], rec['h2'], rec['ref'] = h1, h2, ref
+    if not self.bits:
+      rec.tofile(self.files[0])
+      return
+    bucket = (h1 >> np.uint64(64 - self.bits)).astype(np.int64)
+    order = np.argsort(bucket, kind='stable')
+    bounds = np.searchsorted(bucket[order], np.arange(len(self.files) + 1))
+    for b, f in enumerate(self.files):
+      if bounds[b + 1] > bounds[b]:
+        rec[order[bounds[b]:bounds[b + 1]]].tofile(f)
+
+  def groups(self):
+    """Yields the refs of each set of >= 2 records with equal hashes."""
+    for f in self.files:
+      f.close()
+    for path in self.paths:
+      rec = np.fromfile(path, _RECORD)
+      os.remove(path)
+      if rec.size < 2:
+        continue
+      rec = rec[np.lexsort((rec['ref'], rec['h2'], rec['h1']))]
+      same = (rec['h1'][1:] == rec['h1'][:-1]) & (rec['h2'][1:] == rec['h2'][:-1])
+      if not same.any():
+        continue
+      edges = np.flatnonzero(np.diff(np.concatenate([[0], same.astype(np.int8), [0]])))
+      for a, b in zip(edges[::2], edges[1::2]):
+        yield rec['ref'][a:b + 1]
+
+
+def _tokens(file: data.TokenFile) -> np.ndarray:
+  return np.memmap(file.path, '<u4', mode='r', offset=file.header, shape=(file.num_tokens,))
+
+
+def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: int = 1024,
+                  min_doc_tokens: int = 32, ngrams: bool = False,
+                  rf: data.RepetitionFilter = data.RepetitionFilter()) -> dict[str, Any]:
+  """Identical instances, repeated documents and (with `ngrams`) repetition statistics."""
+  T, eos = ds.seq_len, ds.eos_token_id
+  total_tokens = sum(f.num_tokens for f in ds.files)
+  buckets = max(1, math.ceil((ds.num_instances + total_tokens // 64) * _RECORD.itemsize * 3
+                             / (memory_mb * 2**20)))  # sorting a bucket takes ~3x its size
+  times_hist = collections.Counter()
+  rejected = 0
+  docs = 0
+  with tempfile.TemporaryDirectory(dir=tmp_dir) as work:
+    for sub in ('i', 'd'):
+      os.makedirs(os.path.join(work, sub))
+    inst, doc = _Buckets(os.path.join(work, 'i'), buckets), _Buckets(os.path.join(work, 'd'), buckets)
+    rows = max(1, _CHUNK_TOKENS // T)
+    for f, file in enumerate(ds.files):
+      tokens = _tokens(file)
+      n = int(ds.starts[f + 1] - ds.starts[f])
+      for r in range(0, n, rows):
+        chunk_nT = np.asarray(tokens[r * T:min(n, r + rows) * T]).reshape(-1, T)
+        h1, h2 = hash_spans(chunk_nT.reshape(-1), np.arange(0, chunk_nT.size, T))
+        inst.add(h1, h2, np.arange(r, r + chunk_nT.shape[0], dtype=np.uint64) + ds.starts[f])
+        if ngrams:
+          times = max_repeat_times(chunk_nT, rf)
+          rejected += int(np.count_nonzero(times >= max(rf.max_count, 3)))
+          times_hist.update(np.minimum(times, 64).tolist())
+      docs += _hash_documents(tokens, eos, f, min_doc_tokens, doc)
+    instance_groups = [g.astype(np.int64) for g in inst.groups()]
+    doc_groups = [g for g in doc.groups()]
+  dup_instances = sum(g.size - 1 for g in instance_groups)
+  across = [g for g in doc_groups if np.unique(g >> np.uint64(40)).size > 1]
+  report = {
+      'instances_hashed': ds.num_instances, 'identical_instances': int(dup_instances),
+      'identical_instance_groups': [
+          [{'id': int(i), 'file': ds.files[int(np.searchsorted(ds.starts, i, 'right') - 1)].path}
+           for i in g[:4]] for g in instance_groups[:_MAX_EXAMPLES]],
+      'documents_hashed': docs, 'min_doc_tokens': min_doc_tokens,
+      'documents_repeated_across_entries': int(sum(g.size - 1 for g in across)),
+      'documents_repeated_within_an_entry': int(sum(g.size - 1 for g in doc_groups)
+                                                - sum(g.size - 1 for g in across)),
+      'repeated_document_examples': [
+          [{'file': ds.files[int(r >> np.uint64(40))].path, 'entry': int(r >> np.uint64(40)),
+            'token_offset': int(r & np.uint64((1 << 40) - 1))} for r in g[:4]]
+          for g in (across or doc_groups)[:_MAX_EXAMPLES]],
+      'hash_buckets': buckets}
+  if ngrams:
+    report['ngrams'] = {
+        'filter': rf._asdict(), 'rejected_instances': rejected,
+        'rejected_fraction': rejected / max(ds.num_instances, 1),
+        'max_repeats_histogram': {f'{lo}-{hi}': sum(v for t, v in times_hist.items()
+                                                    if lo <= t <= hi)
+                                  for lo, hi in ((0, 2), (3, 7), (8, 15), (16, 31), (32, 64))}}
+  return report
+
+
+def _hash_documents(tokens: np.ndarray, eos: int, entry: int, min_tokens: int,
+                    out: _Buckets) -> int:
+  """Hashes each document (up to and including its EOS) of at least min_tokens tokens."""
+  count, begin = 0, 0
+  while begin < tokens.size:
+    end = min(tokens.size, begin + _CHUNK_TOKENS)
+    chunk = np.asarray(tokens[begin:end])
+    if end < tokens.size:  # cut after the chunk's last EOS; the rest starts the next chunk
+      last = np.flatnonzero(chunk == eos)
+      if last.size:
+        chunk = chunk[:last[-1] + 1]
+    ends = np.flatnonzero(chunk == eos) + 1
+    starts = np.concatenate([[0], ends[ends < chunk.size]])
+    lengths = np.diff(np.append(starts, chunk.size))
+    keep = lengths >= min_tokens
+    if keep.any():
+      h1, h2 = hash_spans(chunk, starts)
+      ref = (np.uint64(entry) << np.uint64(40)) | (starts[keep] + begin).astype(np.uint64)
+      out.add(h1[keep], h2[keep], ref)
+      count += int(keep.sum())
+    begin += chunk.size
+  return count
+
+
+def max_repeat_times(tokens_nT: np.ndarray,
+                     rf: data.RepetitionFilter = data.RepetitionFilter()) -> np.ndarray:
+  """int [n]: per instance, the most repeats of a period-p pattern, p in OLMo-core's range.
+
+  OLMo-core's find_periodic_sequences reports, for a maximal run of L
+  positions t with x[t] == x[t - p], times = (L + p) // p, and only runs with
+  times > 2; its InstanceFilterConfig rejects an instance with times >=
+  max_count. Runs it does not report count as 0 here.
+  """
+  n, T = tokens_nT.shape
+  best = np.zeros(n, np.int64)
+  for p in range(rf.min_period, min(rf.max_period, T // 3) + 1):
+    eq = np.zeros((n, T - p + 2), np.int8)
+    eq[:, 1:-1] = tokens_nT[:, p:] == tokens_nT[:, :-p]
+    edge = np.diff(eq, axis=1)
+    row, begin = np.nonzero(edge == 1)
+    _, end = np.nonzero(edge == -1)  # row-major: pairs with each begin
+    times = (end - begin + p) // p
+    np.maximum.at(best, row, np.where(times > 2, times, 0))
+  return best
+
+
+# --- The command line -------------------------------------------------------------------------
+
+
+def build_dataset(cfg_data: Any, num_instances: int = 0) -> data.Dataset:
+  """The config's dataset; from listed sizes (order only) when its files are absent."""
+  common = dict(seq_len=cfg_data.seq_len, vocab_size=cfg_data.vocab_size,
+                eos_token_id=cfg_data.eos_token_id, pad_token_id=cfg_data.pad_token_id)
+  if num_instances:
+    return SizedDataset([4 * cfg_data.seq_len * num_instances], **common)
+  try:
+    return data.Dataset.from_config(cfg_data)
+  except FileNotFoundError:
+    if not cfg_data.mix_file or not os.path.isfile(cfg_data.mix_file):
+      raise
+    paths, labels, sizes = data.read_mix(cfg_data.mix_file, base_dir=cfg_data.base_dir,
+                                         tokenizer_id=cfg_data.tokenizer_id)
+    if None in sizes:
+      raise FileNotFoundError(f'{cfg_data.mix_file}: some files are absent and the mix lists no '
+                              'sizes for them; fetch them (scripts/fetch_data.py writes a mix '
+                              'with sizes) or pass --num_instances for the order alone.') from None
+    print(f'note: token files absent; auditing the order from the sizes {cfg_data.mix_file} '
+          'lists.', file=sys.stderr)
+    return SizedDataset(sizes, paths=paths, labels=labels, **common)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  cfg = FLAGS.config
+  try:
+    ds = build_dataset(cfg.data, FLAGS.num_instances)
+    steps = FLAGS.steps or cfg.train.steps
+    resume_every = cfg.train.ckpt_every if FLAGS.resume_every < 0 else FLAGS.resume_every
+    report = {'order': audit_order(
+        ds, cfg.data, steps=steps, devices=FLAGS.devices,
+        micro_batch_size=FLAGS.micro_batch_size or cfg.train.micro_batch_size,
+        resume_every=resume_every, cache_dir=FLAGS.cache_dir or None, progress=True)}
+    if FLAGS.content or FLAGS.ngrams:
+      if isinstance(ds, SizedDataset):
+        raise FileNotFoundError('--content/--ngrams read the token files; they are absent.')
+      report['content'] = audit_content(ds, tmp_dir=FLAGS.tmp_dir or None,
+                                        memory_mb=FLAGS.memory_mb,
+                                        min_doc_tokens=FLAGS.min_doc_tokens, ngrams=FLAGS.ngrams)
+  except (FileNotFoundError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  order = report['order']
+  print(f"order: {order['steps']:,} steps x {order['global_batch']} instances over "
+        f"{order['ranks']} ranks x {order['micro_batches']} micro-batches, {order['resumes']} "
+        f"resumes: {order['ids_read']:,} ids read, {order['repeated_ids']} repeated; complete "
+        f"epochs {order['complete_epochs']} (each drops the last {order['dropped_tail_per_epoch']}"
+        f" of {order['instances']:,} instances, as OLMo-core does); {order['seconds']:.1f} s")
+  for s in order['repeat_sightings']:
+    print(f"  repeated id {s['id']}: epoch {s['epoch']} step {s['step']} rank {s['rank']} "
+          f"micro-batch {s['micro_batch']}")
+  content = report.get('content', {})
+  if content:
+    print(f"content: {content['identical_instances']} identical instances of "
+          f"{content['instances_hashed']:,}; documents (>= {content['min_doc_tokens']} tokens) "
+          f"repeated across entries {content['documents_repeated_across_entries']}, within one "
+          f"{content['documents_repeated_within_an_entry']} of {content['documents_hashed']:,}")
+    for group in content['identical_instance_groups']:
+      print('  identical: ' + ', '.join(f"id {g['id']} ({g['file']})" for g in group))
+  if 'ngrams' in content:
+    ng = content['ngrams']
+    print(f"ngrams: OLMo-core's filter {ng['filter']} rejects {ng['rejected_instances']} "
+          f"({100 * ng['rejected_fraction']:.3f}%); max repeats per instance "
+          f"{ng['max_repeats_histogram']}")
+  if FLAGS.json:
+    with open(FLAGS.json + '.tmp', 'w') as f:
+      json.dump(report, f, indent=1)
+    os.replace(FLAGS.json + '.tmp', FLAGS.json)
+  bad = order['repeated_ids'] or content.get('identical_instances', 0)
+  print('FAIL: instances repeat' if bad else 'PASS: every instance at most once per epoch')
+  return 1 if bad else 0
+
+
+def define_flags() -> None:
+  """The command line; defined only when run as a script, so importing it defines no flags."""
+  config_flags.DEFINE_config_file('config', 'configs/small.py', 'Training config file.')
+  flags.DEFINE_integer('steps', 0, 'Planned steps to audit (0: cfg.train.steps).')
+  flags.DEFINE_integer('devices', 1, 'Data-parallel ranks (devices splitting the batch).')
+  flags.DEFINE_integer('micro_batch_size', 0, 'Instances per rank per micro-batch '
+                       '(0: cfg.train.micro_batch_size).')
+  flags.DEFINE_integer('resume_every', -1, 'Restart the loader from its saved state every N '
+                       'steps (-1: cfg.train.ckpt_every; 0: never).')
+  flags.DEFINE_integer('num_instances', 0, 'Audit the order of N instances without files '
+                       '(stage 1: 723872768).')
+  flags.DEFINE_string('cache_dir', '', "Permutation cache ('': in memory, 4N bytes).")
+  flags.DEFINE_bool('content', False, 'Hash instances and documents for repeated content.')
+  flags.DEFINE_bool('ngrams', False, "OLMo-core's repetition-filter statistics per instance.")
+  flags.DEFINE_integer('memory_mb', 1024, '--content: memory for hashes; more spills to disk.')
+  flags.DEFINE_string('tmp_dir', '', '--content: where hash buckets spill (default: TMPDIR).')
+  flags.DEFINE_integer('min_doc_tokens', 32, '--content: shorter documents are not compared.')
+  flags.DEFINE_string('json', '', 'Also write the full report here.')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main, flags_parser=guards.parse_flags)
