@@ -245,7 +245,8 @@ def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: in
   with tempfile.TemporaryDirectory(dir=tmp_dir) as work:
     for sub in ('i', 'd'):
       os.makedirs(os.path.join(work, sub))
-    inst, doc = _Buckets(os.path.join(work, 'i'), buckets), _Buckets(os.path.join(work, 'd'), buckets)
+    inst = _Buckets(os.path.join(work, 'i'), buckets)
+    doc = _Buckets(os.path.join(work, 'd'), buckets)
     rows = max(1, _CHUNK_TOKENS // T)
     for f, file in enumerate(ds.files):
       tokens = _tokens(file)

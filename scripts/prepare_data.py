@@ -207,13 +207,14 @@ def train_tokenizer(files: list[str], path: str, vocab_size: int, eos: str, pad:
 _WORKER: dict = {}  # this process's tokenizer and settings, set by _init_worker
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, vocab_size: int, text_field: str,
+def _init_worker(tokenizer: Tokenizer, eos_id: int, vocab_size: int, text_field: str,
                  batch_docs: int) -> None:
   # One core per worker: the library's own thread pool would make N workers
-  # contend for the same cores (and its speed the baseline's, not ours).
+  # contend for the same cores (and its speed the baseline's, not ours). Set
+  # before the first encode, so forked workers inherit a tokenizer without one.
   os.environ['TOKENIZERS_PARALLELISM'] = 'false'
-  _WORKER.update(tok=Tokenizer.from_str(tokenizer_json), eos=eos_id, vocab=vocab_size,
-                 field=text_field, batch=batch_docs)
+  _WORKER.update(tok=tokenizer, eos=eos_id, vocab=vocab_size, field=text_field,
+                 batch=batch_docs)
 
 
 def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, int]:
@@ -249,27 +250,26 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, int]:
   return tokens, len(docs)
 
 
-def _worker_loop(init: tuple, chunks: list[Chunk], tasks, results) -> None:
-  _init_worker(*init)
-  for i in iter(tasks.get, None):
+def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
+  for i in iter(tasks.get, None):  # _WORKER came with the fork
     try:
       results.put((i, tokenize_chunk(chunks[i]), None))
     except Exception as e:  # pylint: disable=broad-except  # re-raised by the writer
       results.put((i, None, e))
 
 
-def _in_workers(chunks: list[Chunk], init: tuple,
-                workers: int) -> Iterator[tuple[np.ndarray, int]]:
+def _in_workers(chunks: list[Chunk], workers: int) -> Iterator[tuple[np.ndarray, int]]:
   """tokenize_chunk over `chunks` in `workers` processes, yielded in chunk order.
 
   fork: the workers only parse and tokenize (no JAX, no threads of ours), and
-  fork hands them the chunk list and functions without pickling them (a spawned
-  child could not import this script when it was loaded by path). At most
+  fork hands them the tokenizer (parsed once, in _WORKER), the chunk list and
+  the functions without pickling (a spawned child would re-parse the
+  tokenizer, and could not import this script when it was loaded by path). At most
   2 x workers chunks are in flight, so memory stays bounded.
   """
   ctx = multiprocessing.get_context('fork')
   tasks, results = ctx.Queue(), ctx.Queue()
-  procs = [ctx.Process(target=_worker_loop, args=(init, chunks, tasks, results), daemon=True)
+  procs = [ctx.Process(target=_worker_loop, args=(chunks, tasks, results), daemon=True)
            for _ in range(workers)]
   for p in procs:
     p.start()
@@ -371,16 +371,12 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
     raise ValueError(f'workers ({workers}) and chunk bytes ({chunk_bytes}) must be >= 1.')
   chunks = plan_chunks(files, fmt, chunk_bytes)
   bar = Progress(sum(c.end - c.start for c in chunks), f'tokenizing {prefix}', progress)
-  init = (tokenizer.to_str(), eos_id, vocab_size, text_field, batch_docs)
   writer = ShardWriter(output_dir, prefix, max_shard_bytes)
   num_docs = num_tokens = 0
   results = None
   try:
-    if workers == 1:
-      _init_worker(*init)
-      results = map(tokenize_chunk, chunks)
-    else:
-      results = _in_workers(chunks, init, workers)
+    _init_worker(tokenizer, eos_id, vocab_size, text_field, batch_docs)
+    results = map(tokenize_chunk, chunks) if workers == 1 else _in_workers(chunks, workers)
     for chunk, (tokens, docs) in zip(chunks, results):
       writer.write(tokens)
       num_docs, num_tokens = num_docs + docs, num_tokens + tokens.size

@@ -164,3 +164,14 @@ def test_cli_defaults_to_dolma2_with_workers_and_a_progress_bar(tmp_path):
                             f'--output_dir={out}'], capture_output=True, text=True, cwd=REPO,
                            timeout=120)
   assert missing.returncode == 1 and "matches no files" in missing.stderr
+
+
+def test_the_benchmark_runs_on_a_tiny_corpus():
+  """bench/bench_prepare.py end to end on ~50 KB (its timings mean nothing here)."""
+  result = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'bench_prepare.py'),
+                           '--corpus_mb=0.05', '--workers=1,2', f'--tokenizer={EMBEDDED}'],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert 'tokenizers encode_batch, 1 core' in result.stdout
+  assert '--workers=2 (end to end)' in result.stdout
+  assert 'outputs identical across worker counts: yes' in result.stdout
