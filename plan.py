@@ -203,7 +203,16 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
       raise ValueError(f'extrapolation follows the FSDP axis; train.mesh_{axis}=-1 scales '
                        f'{axis} instead. Set train.mesh_fsdp=-1 and fix the others.')
     half = len(devices) // 2
-    compiles = [compile_step(compiled_cfg, devices[:half]), compile_step(compiled_cfg, devices)]
+    pair = (devices[:half], devices)
+    fixed = len(devices) // train.mesh_shape(cfg.train, len(devices))['fsdp']
+    if half % fixed:  # e.g. context parallelism at full degree: compile on --devices and 2x
+      pool = jax.devices()
+      if len(pool) < 2 * len(devices):
+        raise ValueError(f'half of {len(devices)} devices cannot hold the mesh\'s fixed axes '
+                         f'({fixed} devices) and only {len(pool)} simulated devices exist; '
+                         f'raise --devices to a multiple of {2 * fixed}.')
+      pair = (devices, pool[:2 * len(devices)])
+    compiles = [compile_step(compiled_cfg, d) for d in pair]
     temp = extrapolate_temp(*compiles, target_shape['fsdp'])
     if compiles[1].temp > compiles[0].temp:
       warning = (f'temp grows from {compiles[0].temp / GB:.2f} to {compiles[1].temp / GB:.2f} '
@@ -283,8 +292,11 @@ def main(argv: list[str]) -> None:
     raise app.UsageError('--devices must be >= 1 and --target_devices >= 0.')
   # Simulated CPU devices; set before anything touches a backend.
   jax.config.update('jax_platforms', 'cpu')
-  jax.config.update('jax_num_cpu_devices', FLAGS.devices)
-  report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip)
+  # Twice --devices exist so that a mesh whose fixed axes fill --devices (context
+  # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
+  jax.config.update('jax_num_cpu_devices', 2 * FLAGS.devices)
+  report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip,
+         devices=jax.devices()[:FLAGS.devices])
 
 
 if __name__ == '__main__':
@@ -292,7 +304,8 @@ if __name__ == '__main__':
   flags.mark_flag_as_required('config')
   flags.DEFINE_integer('devices', 8, 'Simulated CPU devices the step is compiled for.')
   flags.DEFINE_integer('target_devices', 0, 'Devices the report is for (0: --devices); another '
-                       'count is extrapolated from compiles on --devices and half of them.')
+                       'count is extrapolated from compiles on --devices and half of them (twice '
+                       'as many when half cannot hold the context axis).')
   flags.DEFINE_enum('platform', 'tpu', ['tpu', 'gpu', 'cpu'], "The platform the run targets: "
                     "attention_impl='auto' is resolved for it.")
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '

@@ -95,7 +95,8 @@ def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
   head_stride = cfg.get('context_head_stride', 1)
 
   def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
-    if context_parallel.degree() > 1:
+    # (train.validate makes seq_len split; the 1-token init trace runs unsplit.)
+    if context_parallel.degree() > 1 and q_BTHK.shape[1] > 1:
       return context_parallel.attention(q_BTHK, k_BSGK, v_BSGK, window=window,
                                         segment_ids_BT=segment_ids_BT, local=local,
                                         head_stride=head_stride)

@@ -80,6 +80,24 @@ def test_warns_when_temp_grows_with_the_device_count(monkeypatch, grows):
   assert ('not sharded over the batch' in p.warning) == grows
 
 
+def test_context_parallel_plan_compiles_at_two_fsdp_sizes(monkeypatch):
+  # CP 4 fills --devices=4 (fsdp 1), so the second compile is on twice the devices (fsdp 2).
+  seen = []
+
+  def fake_compile(cfg, devices):
+    shape = train.mesh_shape(cfg.train, len(devices))
+    seen.append(shape)
+    return plan.Compiled(len(devices), shape, 1, 0, 0, 0, int(1e9 + 4e9 / shape['fsdp']), 0.0)
+  monkeypatch.setattr(plan, 'compile_step', fake_compile)
+  p = plan.make_plan(_config(mesh_context=4), target_devices=32, platform='cpu',
+                     devices=jax.devices()[:4])
+  assert [s['fsdp'] for s in seen] == [1, 2] and all(s['context'] == 4 for s in seen)
+  assert p.target_mesh == {'data': 1, 'fsdp': 8, 'context': 4, 'tensor': 1}
+  assert p.temp_bytes == int(1e9 + 4e9 / 8)
+  with pytest.raises(ValueError, match='raise --devices'):  # 8 of 8 devices: no 16 to compile on
+    plan.make_plan(_config(mesh_context=8), target_devices=32, platform='cpu')
+
+
 def test_plan_report_for_a_bigger_target(capsys):
   cfg = _config()
   p = plan.report(cfg, target_devices=32, platform='cpu')
