@@ -3,10 +3,14 @@
     python convert.py --from_hf=HF_DIR --to=CKPT_DIR [--overwrite]   # HF -> our checkpoint
     python convert.py --from_ckpt=CKPT_DIR --to_hf=HF_DIR             # our checkpoint -> HF
     python convert.py --from_olmo_core=STEP_DIR_OR_URL --to=CKPT_DIR   # OLMo-core -> ours
+        [--config=configs/olmo3_7b.py --config.data.mix_file=MIX ...]  # the run's config
     python convert.py --from_ckpt=CKPT_DIR --to_olmo_core=STEP_DIR     # ours -> OLMo-core
 
 The OLMo-core formats (weights, AdamW moments, step, data position) live in
-olmo_core_ckpt.py; they need torch: pip install '.[olmo-core]'.
+olmo_core_ckpt.py; they need torch: pip install '.[olmo-core]'. With --config the
+converted checkpoint stores that config (checked against the step's config.json:
+architecture, batch, sequence length, data seed), so train.py with the same
+--config resumes it; without, it stores config.json translated.
 
 Tensors are streamed one at a time from memory-mapped safetensors into the
 stacked [L, ...] arrays of model.py (and back, one output shard at a time), so
@@ -42,11 +46,13 @@ import os
 import re
 import secrets
 import shutil
+import sys
 from collections.abc import Iterator
 
 from absl import app, flags
 import jax
 import ml_collections
+from ml_collections import config_flags
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -55,6 +61,7 @@ from tokenizers import Tokenizer
 
 import checkpoint
 from configs import olmo3_7b
+import guards
 import model
 
 # HF tensor name for layer i -> (our module, our name); HF Linear weights are
@@ -608,6 +615,13 @@ def _copy_files(source: str, names: list[str], destination: str) -> None:
 # --- Command line --------------------------------------------------------------------
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """train.py's one-line config mistakes when --config is given; plain parsing without."""
+  if any(a.lstrip('-').startswith(('config', 'noconfig.')) for a in argv[1:]):
+    return guards.parse_flags(argv)
+  return app.parse_flags_with_usage(argv)
+
+
 def main(argv):
   del argv
   modes = {'from_hf': {'from_hf', 'to'}, 'to_hf': {'from_ckpt', 'to_hf'},
@@ -620,6 +634,9 @@ def main(argv):
                          '--from_olmo_core=STEP_DIR_OR_URL --to=CKPT_DIR, or '
                          '--from_ckpt=CKPT_DIR --to_olmo_core=STEP_DIR.')
   mode = chosen[0]
+  if FLAGS.config is not None and mode != 'from_olmo_core':
+    raise app.UsageError('--config goes with --from_olmo_core (the run config the converted '
+                         'checkpoint continues with).')
   try:
     if mode == 'from_hf':
       check_destination(FLAGS.to, FLAGS.overwrite)  # before minutes of reading weights
@@ -638,7 +655,8 @@ def main(argv):
       src = FLAGS.from_olmo_core
       if re.match(r'^(https?|gs|s3)://', src):
         src = olmo_core_ckpt.fetch(src, FLAGS.cache_dir)
-      out = olmo_core_ckpt.import_step(src, FLAGS.to, overwrite=FLAGS.overwrite)
+      out = olmo_core_ckpt.import_step(src, FLAGS.to, base=FLAGS.config,
+                                       overwrite=FLAGS.overwrite)
       moments = (f"Adam count {out['adam_count']}" if out['moments']
                  else 'no optimizer state: moments start at zero')
       print(f"{FLAGS.from_olmo_core} -> {FLAGS.to}/step_{out['step']} ({moments})")
@@ -675,5 +693,11 @@ if __name__ == '__main__':
                       '(default ~/.cache/olmo3_jax/olmo_core)')
   flags.DEFINE_string('tokenizer', None, "tokenizer.json to export (default: the HF source's "
                       "tokenizer files, else data/tokenizer.json when its vocabulary is the run's)")
+  # --from_olmo_core only: the run config to store (with --config.* overrides, as train.py
+  # takes them), checked against the step's config.json; default: config.json translated.
+  with guards.config_mistakes_in_one_line(sys.argv, None):
+    config_flags.DEFINE_config_file('config', None, 'with --from_olmo_core: the train.py '
+                                    'config the checkpoint continues with (e.g. '
+                                    'configs/olmo3_7b.py and --config.data.* overrides)')
   FLAGS = flags.FLAGS
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

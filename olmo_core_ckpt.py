@@ -118,6 +118,34 @@ class _Unpickler(pickle.Unpickler):
     return super().find_class(module, name)
 
 
+class _Window(io.RawIOBase):
+  """Bytes [offset, offset + length) of an open file, as a seekable file of their own."""
+
+  def __init__(self, f, offset: int, length: int):
+    super().__init__()
+    self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self.pos
+
+  def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+    self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
+    return self.pos
+
+  def readinto(self, buffer) -> int:
+    n = max(0, min(len(buffer), self.length - self.pos))
+    self.f.seek(self.offset + self.pos)
+    got = self.f.readinto(memoryview(buffer)[:n])
+    self.pos += got
+    return got
+
+
 class Reader:
   """The tensors and pickled values of a `model_and_optim/` distributed checkpoint."""
 
@@ -146,6 +174,16 @@ class Reader:
   def __contains__(self, fqn: str) -> bool:
     return fqn in self.entries
 
+  def _check_extent(self, fqn: str, info) -> None:
+    path = os.path.join(self.directory, info.relative_path)
+    if not os.path.exists(path):
+      raise OlmoCoreCheckpointError(f'{path} is missing (it holds {fqn}); download the step '
+                                    'directory again.')
+    if os.path.getsize(path) < info.offset + info.length:
+      raise OlmoCoreCheckpointError(f'{path} is truncated: {fqn} needs bytes {info.offset}..'
+                                    f'{info.offset + info.length}, the file has fewer. '
+                                    'Download it again.')
+
   def _blob(self, fqn: str, info) -> bytes:
     path = os.path.join(self.directory, info.relative_path)
     try:
@@ -162,9 +200,11 @@ class Reader:
     return blob
 
   def _load(self, fqn: str, info) -> Any:
-    try:
-      return _torch().load(io.BytesIO(self._blob(fqn, info)), map_location='cpu',
-                           weights_only=True)
+    self._check_extent(fqn, info)
+    try:  # torch reads the blob straight from the file: no bytes copy beside the tensor
+      with open(os.path.join(self.directory, info.relative_path), 'rb') as f:
+        return _torch().load(_Window(f, info.offset, info.length), map_location='cpu',
+                             weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
       raise OlmoCoreCheckpointError(f'{self.directory}/{info.relative_path}: {fqn} is '
                                     f'damaged ({e}); download the file again.') from e
@@ -253,11 +293,6 @@ def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.
   m.head_dim = m.d_model // m.num_heads
   m.mlp_hidden = _get(mc, 'block', 'feed_forward', 'hidden_size', default=m.mlp_hidden)
   m.norm_eps = _get(mc, 'block', 'layer_norm', 'eps', default=m.norm_eps)
-  rope = mixer.get('rope') or {}
-  m.rope_theta = float(rope.get('theta', m.rope_theta))
-  if rope.get('scaling'):
-    raise OlmoCoreCheckpointError(f"RoPE scaling {rope['scaling']} is not translated; pass "
-                                  '--config with the matching model.yarn settings.')
   window = mixer.get('sliding_window') or {}
   pattern = window.get('pattern') or [-1]
   per_layer = [pattern[i % len(pattern)] for i in range(m.num_layers)]
@@ -272,6 +307,7 @@ def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.
       ['full_attention' if w == -1 else 'sliding_attention' for w in per_layer])
   m.sliding_window = widths.pop() if widths else m.sliding_window
   m.sliding_window_plus_one = False  # OLMo-core 3.0.0: window W is (i-W, i]
+  _translate_rope(mc, m, [i for i, w in enumerate(per_layer) if w == -1])
 
   d, ds, dl = cfg.data, oc.get('dataset') or {}, oc.get('data_loader') or {}
   d.seq_len = ds.get('sequence_length', d.seq_len)
@@ -307,6 +343,61 @@ def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.
     cfg.train.steps = int(steps['value']) // (d.global_batch_size * d.seq_len)
   _translate_schedule(tm.get('scheduler') or {}, o, cfg.train.steps)
   return cfg
+
+
+def _without_scaling(block: dict) -> str:
+  block = json.loads(json.dumps(block))
+  (_get(block, 'sequence_mixer', 'rope') or {}).pop('scaling', None)
+  return json.dumps(block, sort_keys=True)
+
+
+def _translate_rope(mc: dict, m: ml_collections.ConfigDict, full_layers: list[int]) -> None:
+  """m.rope_theta and m.yarn from the block's RoPE and its per-layer overrides.
+
+  Stage 3 (OLMo-core `TransformerConfig.with_rope_scaling(YaRN)`, full-attention
+  layers only) keeps the block and adds `block_overrides`: a copy of the block per
+  full-attention layer whose RoPE has `scaling`. model.py applies cfg.model.yarn to
+  exactly those layers, so only that form translates.
+  """
+  block = mc.get('block') or {}
+  m.rope_theta = float((_get(block, 'sequence_mixer', 'rope') or {}).get('theta', m.rope_theta))
+  overrides = {int(i): b for i, b in (mc.get('block_overrides') or {}).items()}
+  scaled = {}
+  for i in range(m.num_layers):
+    if i in overrides and _without_scaling(overrides[i]) != _without_scaling(block):
+      raise OlmoCoreCheckpointError(f'block_overrides[{i}] changes more than the RoPE scaling; '
+                                    'layers that differ otherwise cannot be translated.')
+    scaling = (_get(overrides.get(i, block), 'sequence_mixer', 'rope') or {}).get('scaling')
+    if scaling:
+      scaled[i] = scaling
+  m.yarn.enabled = bool(scaled)
+  if not scaled:
+    return
+  if sorted(scaled) != full_layers:
+    raise OlmoCoreCheckpointError(
+        f'RoPE scaling on layers {sorted(scaled)}; ours applies YaRN to exactly the '
+        f'full-attention layers {full_layers} (OLMo-core with_rope_scaling(..., '
+        'full_attn_layers_only=True), as Olmo 3 stage 3 does).')
+  kinds = {json.dumps(v, sort_keys=True) for v in scaled.values()}
+  y, s = m.yarn, next(iter(scaled.values()))
+  if len(kinds) > 1 or not str(s.get('_CLASS_', '')).endswith('YaRNRoPEScalingConfig'):
+    raise OlmoCoreCheckpointError(f'RoPE scaling {sorted(kinds)[:2]}: only one YaRN setting '
+                                  '(YaRNRoPEScalingConfig) translates to model.yarn.')
+  # OLMo-core YaRNRoPEScalingConfig's defaults, for a config.json that leaves them out.
+  y.factor = float(s.get('factor', 8.0))
+  y.beta_fast, y.beta_slow = float(s.get('beta_fast', 32)), float(s.get('beta_slow', 1))
+  y.original_max_position = int(s.get('old_context_len', 8192))
+  # OLMo-core's attention factor is always 0.1 ln(factor) + 1; model.py's default is that for
+  # factor > 1 and 1 otherwise, so only a factor <= 1 needs it spelled out.
+  y.attention_factor = None if y.factor > 1 else 0.1 * math.log(y.factor) + 1.0
+  # The ramp's top: OLMo-core clamps it at head_dim/2 - 1, HF and model.py at head_dim - 1.
+  k = m.head_dim
+  top = math.ceil(k * math.log(y.original_max_position / (y.beta_slow * 2 * math.pi))
+                  / (2 * math.log(m.rope_theta)))
+  if top > k // 2 - 1:
+    raise OlmoCoreCheckpointError(f'YaRN with head_dim {k}, theta {m.rope_theta:g}, '
+                                  f'beta_slow {y.beta_slow:g}: OLMo-core and HF clamp the ramp '
+                                  'differently here, so model.yarn cannot match it.')
 
 
 def _translate_schedule(sched: dict, o: ml_collections.ConfigDict, steps: int) -> None:
@@ -403,7 +494,8 @@ def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str
   None gives zeros (a weights-only source has no moments).
   """
   fqns = [f for f, k, _ in tensor_names(num_layers) if k == key]
-  per = shape if len(fqns) == 1 else shape[1:]
+  stacked = key not in GLOBAL.values()  # per-layer arrays are [L, ...], even at L = 1
+  per = shape[1:] if stacked else shape
 
   def pieces():
     for i, fqn in enumerate(fqns):
@@ -413,7 +505,7 @@ def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str
         raise OlmoCoreCheckpointError(f'{source.format(fqn)}: shape {value.T.shape} does not '
                                       f'fit the config ({per} ours); config.json does not '
                                       'describe these weights.')
-      if len(fqns) == 1:
+      if not stacked:
         yield tuple((0, n) for n in shape), value.astype(np.float32, copy=False)
       else:
         yield (((i, i + 1),) + tuple((0, n) for n in per),
@@ -437,18 +529,17 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
   paths_file = os.path.join(step_dir, 'data_paths.txt')
   data_paths = (open(paths_file).read().split() if os.path.exists(paths_file) else [])
   translated = config_from_olmo_core(_read_json(config_path), data_paths)
-  cfg = translated if base is None else _checked_base(base, translated)
   inner = os.path.join(step_dir, 'model_and_optim')
   reader = Reader(inner if os.path.isdir(inner) else step_dir)  # weights-only: top level
   trainer = read_trainer_state(step_dir)
-  m = cfg.model
+  m = translated.model
   missing = [f'model.{f}' for f, _, _ in tensor_names(m.num_layers) if f'model.{f}' not in reader]
   if missing:
     raise OlmoCoreCheckpointError(f'{reader.directory} lacks {len(missing)} weights, e.g. '
                                   f'{missing[:3]}; it is not an Olmo 3 of this config.json.')
   count = adam_count(reader, m.num_layers)
-  if base is None:
-    _decay_settings(reader, cfg)
+  _decay_settings(reader, translated)
+  cfg = translated if base is None else _checked_base(base, translated)
   step = int(trainer['global_step']) if trainer else 0
   if count is None:
     logging.warning('%s has no optimizer state (weights only): the AdamW moments and count '
@@ -465,20 +556,41 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
   return {'step': step, 'adam_count': count, 'config': cfg, 'moments': count is not None}
 
 
+# What must agree between --config and the OLMo-core run for train.py to continue that run:
+# the weights' shapes and function, and the data order (batch, length, seed). Not
+# model.sliding_window_plus_one: config.json cannot say it (it is the OLMo-core version's
+# window semantics, docs/architecture.md), so --config's is taken, and logged.
+RUN_FIELDS = (*(('model', f) for f in model.ARCHITECTURE_FIELDS),
+              ('data', 'global_batch_size'), ('data', 'seq_len'), ('data', 'seed'))
+
+
 def _checked_base(base: ml_collections.ConfigDict, translated: ml_collections.ConfigDict
                   ) -> ml_collections.ConfigDict:
-  """The user's --config, refused where its model differs from the checkpoint's."""
-  for field in model.ARCHITECTURE_FIELDS:
-    if base.model[field] != translated.model[field]:
-      raise OlmoCoreCheckpointError(f'--config has model.{field}={base.model[field]!r}, the '
-                                    f'checkpoint {translated.model[field]!r}; set '
-                                    f'--config.model.{field} to match.')
-  for group in ('data', 'opt'):
+  """The user's --config (stored as the run's), refused where it is not the OLMo-core run.
+
+  The data files are the user's to name (a mix file and base_dir rather than the
+  step's data_paths.txt); the dataset fingerprint in the data position still
+  refuses other files or another order when train.py resumes.
+  """
+  wrong = [f'{g}.{f}={base[g][f]!r} (the checkpoint\'s config.json says {translated[g][f]!r})'
+           for g, f in RUN_FIELDS if base[g][f] != translated[g][f]]
+  if base.model.yarn.to_dict() != translated.model.yarn.to_dict():
+    wrong.append(f'model.yarn={base.model.yarn.to_dict()} (config.json: '
+                 f'{translated.model.yarn.to_dict()})')
+  if wrong:
+    raise OlmoCoreCheckpointError(
+        f'--config does not describe the OLMo-core run: {"; ".join(wrong)}. Set those '
+        '--config.* values to the checkpoint\'s, or use the config convert.py writes without '
+        '--config.')
+  if base.model.sliding_window_plus_one:
+    logging.warning('--config has model.sliding_window_plus_one=True: the windows see W + 1 '
+                    'keys, as OLMo-core before August 2025 (config.json cannot say which).')
+  for group in ('opt', 'train'):
     for key, value in translated[group].items():
-      if key in base[group] and base[group][key] != value and key not in ('paths', 'mix_file',
-                                                                          'base_dir'):
-        logging.warning('--config has %s.%s=%r, the OLMo-core run %r.', group, key,
-                        base[group][key], value)
+      plain = lambda v: v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v
+      if key in base[group] and json.dumps(plain(base[group][key])) != json.dumps(plain(value)):
+        logging.warning('--config has %s.%s=%r, the OLMo-core run %r; the run continues with '
+                        '--config\'s.', group, key, base[group][key], value)
   return base
 
 
@@ -665,17 +777,25 @@ def olmo_core_config(cfg) -> dict:
              for c in m.layer_pattern]
   sched = {'cosine': 'CosWithWarmup', 'linear': 'LinearWithWarmup',
            'olmo3_stitched': 'HalfCosWithWarmup'}.get(o.schedule)
-  return {
-      'model': {'d_model': m.d_model, 'n_layers': m.num_layers, 'vocab_size': m.vocab_size,
-                'block': {'name': 'reordered_norm',
-                          'sequence_mixer': {'n_heads': m.num_heads, 'n_kv_heads': m.num_kv_heads,
-                                             'rope': {'theta': m.rope_theta},
-                                             'sliding_window': {
-                                                 'pattern': pattern,
+  block = {'name': 'reordered_norm',
+           'sequence_mixer': {'n_heads': m.num_heads, 'n_kv_heads': m.num_kv_heads,
+                              'rope': {'theta': m.rope_theta},
+                              'sliding_window': {'pattern': pattern,
                                                  'force_full_attention_on_first_layer': False,
                                                  'force_full_attention_on_last_layer': False}},
-                          'feed_forward': {'hidden_size': m.mlp_hidden},
-                          'layer_norm': {'eps': m.norm_eps}}},
+           'feed_forward': {'hidden_size': m.mlp_hidden}, 'layer_norm': {'eps': m.norm_eps}}
+  overrides = None
+  if m.yarn.enabled:  # as with_rope_scaling(YaRN) writes it: full-attention layers only
+    scaled = json.loads(json.dumps(block))
+    scaled['sequence_mixer']['rope']['scaling'] = {
+        '_CLASS_': 'olmo_core.nn.rope.YaRNRoPEScalingConfig', 'factor': m.yarn.factor,
+        'beta_fast': m.yarn.beta_fast, 'beta_slow': m.yarn.beta_slow,
+        'old_context_len': m.yarn.original_max_position}
+    overrides = {str(i): scaled for i in range(m.num_layers)
+                 if m.layer_pattern[i % len(m.layer_pattern)] == 'F'}
+  return {
+      'model': {'d_model': m.d_model, 'n_layers': m.num_layers, 'vocab_size': m.vocab_size,
+                'block': block, 'block_overrides': overrides},
       'dataset': {'sequence_length': d.seq_len,
                   'tokenizer': {'vocab_size': d.vocab_size, 'eos_token_id': d.eos_token_id,
                                 'pad_token_id': d.pad_token_id}},

@@ -40,40 +40,52 @@ def repro_cfg(steps: int, overrides: dict | None = None):
 
 
 def olmo_core_main(spec: dict) -> None:
-  """Trains with OLMo-core's Trainer per `spec`; writes <save_folder>/records_<name>.json."""
-  os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',
-                    MASTER_ADDR='127.0.0.1', MASTER_PORT=str(spec['port']))
+  """Trains with OLMo-core's Trainer per `spec`; writes <save_folder>/records_<name>.json.
+
+  spec['stage2']: dotted overrides of configs/olmo3_7b_stage2.py (its recipe: seed,
+  linear schedule) instead of tiny_repro's; spec['world']: ranks (FSDP over gloo).
+  """
+  world, rank = spec.get('world', 1), spec.get('rank', 0)
+  os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1',
+                    MASTER_PORT=str(spec['port']))
   import torch
   from olmo_core.data import (NumpyDataLoaderConfig, NumpyDatasetDType, NumpyFSLDatasetConfig,
                                TokenizerConfig)
-  from olmo_core.optim import CosWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
+  from olmo_core.distributed.parallel import DataParallelType
+  from olmo_core.optim import (CosWithWarmup, LinearWithWarmup, OptimGroupOverride,
+                               SkipStepAdamWConfig)
   from olmo_core.train import Duration, TrainerConfig, prepare_training_environment
   from olmo_core.train.callbacks import Callback, CheckpointerCallback, ConfigSaverCallback
-  from olmo_core.train.train_module import TransformerTrainModuleConfig
+  from olmo_core.train.train_module import (TransformerDataParallelConfig,
+                                            TransformerTrainModuleConfig)
 
   prepare_training_environment(seed=0, backend='gloo')
   torch.set_num_threads(1)
-  cfg = repro_cfg(spec['horizon'], spec.get('overrides'))
+  cfg = (stage2_cfg(spec['stage2']) if spec.get('stage2')
+         else repro_cfg(spec['horizon'], spec.get('overrides')))
   d, o = cfg.data, cfg.opt
   T, B = d.seq_len, d.global_batch_size
   model = repro.olmo_core_model(cfg, init_seed=spec['init_seed'])
   dataset_cfg = NumpyFSLDatasetConfig(
-      paths=list(d.paths), sequence_length=T, max_target_sequence_length=T,
+      paths=spec.get('paths') or list(d.paths), sequence_length=T, max_target_sequence_length=T,
       dtype=NumpyDatasetDType.uint32,
       tokenizer=TokenizerConfig(vocab_size=d.vocab_size, eos_token_id=d.eos_token_id,
                                 pad_token_id=d.pad_token_id))
   loader_cfg = NumpyDataLoaderConfig(global_batch_size=B * T, seed=d.seed, num_workers=0,
                                      work_dir=os.path.join(spec['save_folder'], 'data'))
+  schedule = {'cosine': CosWithWarmup, 'linear': LinearWithWarmup}[o.schedule]
   module_cfg = TransformerTrainModuleConfig(
-      rank_microbatch_size=B * T, max_sequence_length=T,
+      rank_microbatch_size=B * T // world, max_sequence_length=T,
+      dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp) if world > 1 else None,
       optim=SkipStepAdamWConfig(
           lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay,
           rolling_interval_length=o.skip_window, sigma_factor=int(o.skip_sigma),
           group_overrides=[OptimGroupOverride(params=['embeddings.weight'],
                                               opts=dict(weight_decay=0.0))]),
       max_grad_norm=o.clip_grad_norm, z_loss_multiplier=o.z_loss,
-      scheduler=CosWithWarmup(warmup=o.warmup_steps, alpha_f=o.final_lr / o.lr, t_max=o.t_max))
-  records = {'ce': {}, 'inputs': {}}
+      scheduler=schedule(warmup=o.warmup_steps, alpha_f=o.final_lr / o.lr, t_max=o.t_max))
+  records = {'ce': {}, 'inputs': {}, 'lr': {}}
 
   class Record(Callback):
     def pre_step(self, batch):
@@ -82,6 +94,9 @@ def olmo_core_main(spec: dict) -> None:
     def log_metrics(self, step, metrics):
       if 'train/CE loss' in metrics:
         records['ce'][step] = float(metrics['train/CE loss'])
+      lrs = [float(v) for k, v in metrics.items() if k.startswith('optim/LR')]
+      if lrs:
+        records['lr'][step] = lrs[0]
 
     def post_checkpoint_loaded(self, path):
       for p in self.trainer.train_module.model.parameters():  # the noise member
@@ -92,6 +107,7 @@ def olmo_core_main(spec: dict) -> None:
       save_folder=spec['save_folder'], work_dir=os.path.join(spec['save_folder'], 'work'),
       max_duration=Duration.steps(spec['horizon']), hard_stop=Duration.steps(spec['stop']),
       load_path=spec.get('load_path'), load_trainer_state=spec.get('load_trainer_state'),
+      load_optim_state=True,
       metrics_collect_interval=1, save_overwrite=True,
       callbacks={'checkpointer': CheckpointerCallback(save_interval=spec['save_interval'],
                                                       save_async=False),
@@ -106,8 +122,9 @@ def olmo_core_main(spec: dict) -> None:
       'train_module': module_cfg.as_config_dict(),
       'trainer': {'max_duration': {'value': spec['horizon'], 'unit': 'steps'}}}
   trainer.fit()
-  with open(os.path.join(spec['save_folder'], f"records_{spec['name']}.json"), 'w') as f:
-    json.dump(records, f)
+  if rank == 0:
+    with open(os.path.join(spec['save_folder'], f"records_{spec['name']}.json"), 'w') as f:
+      json.dump(records, f)
 
 
 def repro_model_config(cfg, init_seed: int):
@@ -129,15 +146,49 @@ def repro_model_config(cfg, init_seed: int):
 _PORTS = iter(range(29600, 29700))
 
 
-def run_olmo_core(name: str, save_folder: str, **spec) -> dict:
-  spec = dict(name=name, save_folder=save_folder, port=next(_PORTS), **spec)
+def run_olmo_core(name: str, save_folder: str, world: int = 1, **spec) -> dict:
+  """OLMo-core's Trainer in `world` processes (one per rank); rank 0's records."""
+  spec = dict(name=name, save_folder=save_folder, port=next(_PORTS), world=world, **spec)
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)], check=True,
-                 env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                             json.dumps(dict(spec, rank=r))], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL) for r in range(world)]
+  codes = [p.wait() for p in procs]
+  assert codes == [0] * world, f'OLMo-core run {name} failed: exit codes {codes}'
   with open(os.path.join(save_folder, f'records_{name}.json')) as f:
     out = json.load(f)
   return {'ce': {int(k): v for k, v in out['ce'].items()},
+          'lr': {int(k): v for k, v in out['lr'].items()},
           'inputs': {int(k): np.array(v) for k, v in out['inputs'].items()}}
+
+
+# configs/olmo3_7b_stage2.py shrunk to the tiny run: every field where tiny_repro differs,
+# except the stage-2 recipe itself, which is the point of the test.
+STAGE2_RECIPE = ('data.seed', 'opt.lr', 'opt.schedule', 'opt.warmup_steps', 'opt.final_lr',
+                 'train.reset_step_on_init')
+
+
+def stage2_overrides(steps: int, mix_file: str, base_dir: str) -> dict:
+  from configs import olmo3_7b_stage2
+  import guards
+  tiny = repro_cfg(steps)
+  changes = guards.config_changes(olmo3_7b_stage2.get_config().to_dict(), tiny)
+  out = {k: new for k, (_, new) in changes.items()
+         if k not in STAGE2_RECIPE and not k.startswith(('data.paths', 'data.validation_paths'))
+         and not isinstance(new, (list, dict))}
+  return {**out, 'data.mix_file': mix_file, 'data.base_dir': base_dir}
+
+
+def stage2_cfg(overrides: dict):
+  from configs import olmo3_7b_stage2
+  cfg = olmo3_7b_stage2.get_config()
+  for dotted, value in overrides.items():
+    *groups, field = dotted.split('.')
+    node = cfg
+    for g in groups:
+      node = node[g]
+    node[field] = value
+  return cfg
 
 
 if __name__ == '__main__':
@@ -185,6 +236,23 @@ def _ours(ckpt: str, cfg, step: int = K) -> train.TrainState:
   return state
 
 
+def _assert_equals_olmo_core_reading(step_dir: str, ckpt: str, cfg, step: int):
+  """Every weight and moment of our conversion equals OLMo-core's reader's, bit for bit."""
+  state = _ours(ckpt, cfg, step)
+  names = list(occ.tensor_names(cfg.model.num_layers))
+  keys = [f'model.{f}' for f, _, _ in names] + [
+      f'optim.state.{f}.{m}' for f, _, _ in names for m in ('exp_avg', 'exp_avg_sq', 'step')]
+  ref = _olmo_core_reads(step_dir, keys)
+  for fqn, (module, name), layer in names:
+    for key, tree in ((f'model.{fqn}', state.params), (f'optim.state.{fqn}.exp_avg',
+                                                       state.opt_state.mu),
+                      (f'optim.state.{fqn}.exp_avg_sq', state.opt_state.nu)):
+      ours = tree[module][name] if layer is None else tree[module][name][layer]
+      theirs = ref[key].T if ref[key].ndim == 2 and fqn != 'embeddings.weight' else ref[key]
+      np.testing.assert_array_equal(ours, theirs, err_msg=key)  # bit for bit, float32
+  return state, ref
+
+
 @pytest.mark.slow
 def test_conversion_is_bit_exact_and_takes_the_adam_count_from_the_state(runs):
   meta = checkpoint.read_metadata(runs['ours'], K)
@@ -196,20 +264,9 @@ def test_conversion_is_bit_exact_and_takes_the_adam_count_from_the_state(runs):
       ('data', 'global_batch_size'), ('data', 'seq_len'), ('data', 'seed'), ('opt', 'lr'),
       ('opt', 'warmup_steps'), ('opt', 't_max'), ('opt', 'final_lr'), ('opt', 'z_loss')]:
     assert saved[group][field] == pytest.approx(cfg[group][field]), (group, field)
-  state = _ours(runs['ours'], cfg)
-  names = list(occ.tensor_names(cfg.model.num_layers))
-  keys = [f'model.{f}' for f, _, _ in names] + [
-      f'optim.state.{f}.{m}' for f, _, _ in names for m in ('exp_avg', 'exp_avg_sq', 'step')]
-  ref = _olmo_core_reads(runs['step_dir'], keys)
-  for fqn, (module, name), layer in names:
-    for key, tree in ((f'model.{fqn}', state.params), (f'optim.state.{fqn}.exp_avg',
-                                                       state.opt_state.mu),
-                      (f'optim.state.{fqn}.exp_avg_sq', state.opt_state.nu)):
-      ours = tree[module][name] if layer is None else tree[module][name][layer]
-      theirs = ref[key].T if ref[key].ndim == 2 and fqn != 'embeddings.weight' else ref[key]
-      np.testing.assert_array_equal(ours, theirs, err_msg=key)  # bit for bit, float32
+  state, ref = _assert_equals_olmo_core_reading(runs['step_dir'], runs['ours'], cfg, K)
   # OLMo-core's step-0 checkpoint ran one zero-gradient optimizer step: count = K + 1.
-  assert int(state.opt_state.count) == int(ref[f'optim.state.{names[0][0]}.step']) == K + 1
+  assert int(state.opt_state.count) == int(ref['optim.state.embeddings.weight.step']) == K + 1
   assert int(state.opt_state.step) == meta['step'] == K
   assert int(state.opt_state.history_len) == 0  # OLMo-core does not save the window
   assert meta['data']['step'] == K and meta['data']['epoch'] == 1
@@ -217,33 +274,118 @@ def test_conversion_is_bit_exact_and_takes_the_adam_count_from_the_state(runs):
   assert meta['config']['opt']['no_decay'] == ['embed/embedding']
 
 
-@pytest.mark.slow
-def test_train_py_continues_olmo_core_run_on_the_same_batches_within_the_noise(runs):
-  workdir = runs['root'] / 'ours'
-  cfg = repro_cfg(runs['common']['horizon'])
-  overrides = {**repro.run_overrides(runs['common']['horizon'], 2, SMALL),
-               'train.steps': 2 * K, 'train.ckpt_every': 100}
-  cmd = [sys.executable, os.path.join(REPO, 'train.py'),
-         f'--config={os.path.join(REPO, "configs", "tiny_repro.py")}', f'--workdir={workdir}',
-         '--sample_tokens=0'] + [f'--config.{k}={v}' for k, v in overrides.items()]
+def _mix_file(root, cfg) -> tuple[str, str]:
+  """A mix file (label,relative path) listing cfg.data.paths under their directory."""
+  base = os.path.dirname(cfg.data.paths[0])
+  mix = str(root / 'mix.txt')
+  with open(mix, 'w') as f:
+    f.writelines(f'tiny,{os.path.relpath(p, base)}\n' for p in cfg.data.paths)
+  return mix, base
+
+
+def _train_py(config: str, workdir, overrides: dict) -> dict[int, dict]:
+  """train.py as documented; {step: metrics record}."""
+  cmd = [sys.executable, os.path.join(REPO, 'train.py'), f'--config={config}',
+         f'--workdir={workdir}', '--sample_tokens=0'] + [
+             f'--config.{k}={v}' for k, v in overrides.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-  ours = {r['step']: r['train/CE loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return {r['step']: r for r in map(json.loads, open(os.path.join(workdir, 'metrics.jsonl')))
           if 'train/CE loss' in r}
+
+
+def _within_noise(ours: list[float], members: list[list[float]], cfg) -> np.ndarray:
+  """|ours - median| / floor per step, the yardstick of scripts/reproduce_olmo_core.py."""
+  ensemble = np.array(members)
+  floor = repro.ce_floor(ensemble, tokens=cfg.data.global_batch_size * cfg.data.seq_len,
+                         half_width=5)
+  ratio = np.abs(np.array(ours) - np.median(ensemble, 0)) / floor
+  assert ratio.max() <= repro.MAX_RATIO, (ours, ensemble, floor)
+  return ratio
+
+
+@pytest.mark.slow
+def test_train_py_continues_olmo_core_run_on_the_same_batches_within_the_noise(runs):
+  """BUILD.md's "continue Ai2's run" commands: convert.py --config (the data as a mix file,
+  not the step's data_paths.txt), then train.py with the same --config on that workdir."""
+  root, horizon = runs['root'], runs['common']['horizon']
+  cfg = repro_cfg(horizon)
+  mix, base = _mix_file(root, cfg)
+  overrides = {**repro.run_overrides(horizon, 2, SMALL), 'data.paths': '()',
+               'data.mix_file': mix, 'data.base_dir': base}
+  config = os.path.join(REPO, 'configs', 'tiny_repro.py')
+  workdir = root / 'cli'
+  done = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'convert.py'), f'--from_olmo_core={runs["step_dir"]}',
+       f'--to={workdir / "checkpoints"}', f'--config={config}'] + [
+           f'--config.{k}={v}' for k, v in overrides.items()],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  stored = checkpoint.read_metadata(str(workdir / 'checkpoints'), K)['config']['data']
+  assert stored['mix_file'] == mix and not stored['paths']  # the run's config, as given
+  records = _train_py(config, workdir, {**overrides, 'train.steps': 2 * K,
+                                        'train.ckpt_every': 100})
   steps = list(range(K + 1, 2 * K + 1))
+  assert sorted(records) == steps  # resumed at K, not restarted
   # The batches: our loader from the converted position vs what OLMo-core's trainer fed.
   ds = data.Dataset.from_config(cfg.data)
   loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=cfg.data.global_batch_size,
-                       cache_dir=str(runs['root'] / 'cache'))
+                       cache_dir=str(root / 'cache'))
   for s in steps:
     np.testing.assert_array_equal(loader.batch_at(1, s - 1)['tokens'], runs['cont']['inputs'][s])
-  ce = np.array([ours[s] for s in steps])
-  ensemble = np.array([[runs[r]['ce'][s] for s in steps] for r in ('cont', 'ulp')])
-  floor = repro.ce_floor(ensemble, tokens=cfg.data.global_batch_size * cfg.data.seq_len,
-                         half_width=5)
-  ratio = np.abs(ce - np.median(ensemble, 0)) / floor
-  assert ratio.max() <= repro.MAX_RATIO, (ce, ensemble, floor)
+  _within_noise([records[s]['train/CE loss'] for s in steps],
+                [[runs[r]['ce'][s] for s in steps] for r in ('cont', 'ulp')], cfg)
+
+
+@pytest.mark.slow
+def test_stage2_from_converted_stage1_restarts_like_olmo_core_midtrain(runs):
+  """configs/olmo3_7b_stage2.py (shrunk) with train.init_from=<converted OLMo-core
+  checkpoint> vs OLMo-core's midtrain start from its own checkpoint (load_path,
+  load_trainer_state=False, optimizer state loaded): moments and Adam count kept, step,
+  schedule and data order (epoch 1, step 0, the stage-2 seed) restarted."""
+  root, steps = runs['root'], K
+  cfg1 = repro_cfg(runs['common']['horizon'])
+  mix, base = _mix_file(root, cfg1)
+  overrides = {**stage2_overrides(steps, mix, base), 'train.init_from': runs['ours']}
+  cfg = stage2_cfg(overrides)
+  assert cfg.data.seed != cfg1.data.seed and cfg.opt.schedule == 'linear'  # the stage-2 recipe
+  # What train.init_from loads: the converted state, step and history reset.
+  mesh = train.make_mesh(cfg.train)
+  state, shardings = train.create_state(cfg, mesh, jax.random.key(0))
+  init = train.load_init(cfg, mesh, state, shardings)
+  stage1 = _ours(runs['ours'], cfg1)
+  for a, b in zip(jax.tree.leaves((init.params, init.opt_state.mu, init.opt_state.nu)),
+                  jax.tree.leaves((stage1.params, stage1.opt_state.mu, stage1.opt_state.nu))):
+    np.testing.assert_array_equal(a, b)
+  assert int(init.opt_state.count) == K + 1 and int(init.opt_state.step) == 0
+  assert int(init.opt_state.history_len) == 0
+  # OLMo-core's midtrain start, and its +1 ulp noise member.
+  spec = dict(horizon=steps, stop=steps, save_interval=100, load_path=runs['step_dir'],
+              load_trainer_state=False, init_seed=7, paths=list(cfg1.data.paths),
+              stage2={k: v for k, v in overrides.items() if k != 'train.init_from'})
+  mid = run_olmo_core('mid', str(root / 'mid'), **spec)
+  ulp = run_olmo_core('mid_ulp', str(root / 'mid_ulp'), ulps=1, **spec)
+  workdir = root / 'stage2'
+  records = _train_py(os.path.join(REPO, 'configs', 'olmo3_7b_stage2.py'), workdir,
+                      {**overrides, 'train.ckpt_every': 100})
+  assert sorted(records) == list(range(1, steps + 1))  # from step 0
+  for s in records:  # the schedule restarted: stage 2's LR from its step 0, as OLMo-core's
+    assert records[s]['optim/LR'] == pytest.approx(mid['lr'][s], rel=1e-6)
+  # Stage 2's own LR decaying from its step 0 (not stage 1's 3e-3 schedule at step K + 1):
+  # OLMo-core's midtrain takes the new LR, though the checkpoint's param groups hold stage 1's.
+  assert mid['lr'][1] == pytest.approx(cfg.opt.lr * (1 - 1 / cfg.opt.t_max), rel=1e-6)
+  ds = data.Dataset.from_config(cfg.data)
+  loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=cfg.data.global_batch_size,
+                       cache_dir=str(root / 'cache2'))
+  for s in records:  # epoch 1 from step 0 with the stage-2 seed
+    np.testing.assert_array_equal(loader.batch_at(1, s - 1)['tokens'], mid['inputs'][s])
+  meta = checkpoint.read_metadata(str(workdir / 'checkpoints'))
+  assert (meta['data']['epoch'], meta['data']['step'], meta['data']['seed']) == (
+      1, steps, cfg.data.seed)
+  _within_noise([records[s]['train/CE loss'] for s in records],
+                [[r['ce'][s] for s in records] for r in (mid, ulp)], cfg)
 
 
 @pytest.mark.slow
@@ -266,6 +408,24 @@ def test_round_trip_is_bit_exact_and_olmo_core_continues_from_the_export(runs):
   assert again['ce'] == runs['cont']['ce']
   for s in again['inputs']:
     np.testing.assert_array_equal(again['inputs'][s], runs['cont']['inputs'][s])
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_checkpoint_converts_bit_exactly(tmp_path):
+  """OLMo-core trained with 2 ranks of FSDP (gloo): every tensor saved as two chunks."""
+  shape = {'model.num_kv_heads': 2, 'model.num_layers': 2, 'model.layer_pattern': 'SF'}
+  save, steps = str(tmp_path / 'fsdp'), 2
+  run_olmo_core('fsdp', save, world=2, horizon=10, stop=steps, save_interval=steps,
+                init_seed=11, overrides=shape)
+  step_dir = os.path.join(save, f'step{steps}')
+  reader = occ.Reader(os.path.join(step_dir, 'model_and_optim'))
+  sharded = [k for k, c in reader.chunks.items() if k.startswith('model.') and len(c) > 1]
+  assert len(sharded) == sum(1 for _ in occ.tensor_names(2))  # both ranks hold part of each
+  assert {f.split('_')[2] for f in reader.files()} == {'0', '1'}
+  occ.import_step(step_dir, str(tmp_path / 'ours'))
+  state, _ = _assert_equals_olmo_core_reading(step_dir, str(tmp_path / 'ours'),
+                                              repro_cfg(10, shape), steps)
+  assert int(state.opt_state.count) == steps + 1
 
 
 # --- Fast: a synthetic train state through the exporter, bad input, the URL fetch ---------------
@@ -382,3 +542,84 @@ def test_url_fetch_resumes_an_interrupted_download_and_converts_the_same(synthet
     assert len(server.gets()) == before  # complete files are not fetched again
   finally:
     server.close()
+
+
+def test_config_flag_stores_the_run_config_and_refuses_another_run(synthetic, tmp_path):
+  cfg = synthetic['cfg']
+  mine = repro_cfg(20, {'model.num_kv_heads': 2, 'model.num_layers': 2,
+                        'model.layer_pattern': 'SF', 'opt.lr': 1e-3})
+  mine.data.paths, mine.data.mix_file, mine.data.base_dir = (), '/data/mix.txt', '/data'
+  occ.import_step(synthetic['export'], str(tmp_path / 'ok'), base=mine)
+  stored = checkpoint.read_metadata(str(tmp_path / 'ok'))['config']
+  assert stored['data']['mix_file'] == '/data/mix.txt' and stored['opt']['lr'] == 1e-3
+  got = _ours(str(tmp_path / 'ok'), cfg, 5)
+  np.testing.assert_array_equal(got.opt_state.mu['mlp']['w_down'],
+                                synthetic['state'].opt_state.mu['mlp']['w_down'])
+  for field, value in (('data.global_batch_size', 2 * cfg.data.global_batch_size),
+                       ('data.seq_len', 2 * cfg.data.seq_len), ('data.seed', 1),
+                       ('model.d_model', 2 * cfg.model.d_model), ('model.yarn.enabled', True)):
+    wrong = repro_cfg(20, {'model.num_kv_heads': 2, 'model.num_layers': 2,
+                           'model.layer_pattern': 'SF', field: value})
+    with pytest.raises(occ.OlmoCoreCheckpointError, match=rf'{field.rsplit(".", 1)[0]}'):
+      occ.import_step(synthetic['export'], str(tmp_path / 'bad'), base=wrong)
+    assert not os.path.exists(tmp_path / 'bad')
+  # The command line: one line naming the field, exit 1, nothing written.
+  done = subprocess.run(
+      [sys.executable, 'convert.py', f'--from_olmo_core={synthetic["export"]}',
+       f'--to={tmp_path / "cli"}', '--config=configs/tiny_repro.py', '--config.data.seed=5'],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True)
+  assert done.returncode == 1 and 'convert.py: error: --config does not describe' in done.stderr
+  assert 'data.seed=5' in done.stderr and not os.path.exists(tmp_path / 'cli')
+
+
+@pytest.fixture(scope='module')
+def yarn_config():
+  """OLMo-core's own config.json model section of a stage-3 model (YaRN, full layers only)."""
+  from olmo_core.nn.rope import YaRNRoPEScalingConfig
+  cfg = repro_cfg(20, {'model.num_layers': 8})  # SSSF SSSF: YaRN on layers 3 and 7
+  scaling = YaRNRoPEScalingConfig(factor=4.0, beta_fast=16, beta_slow=2, old_context_len=32)
+  oc = repro_model_config(cfg, 0).with_rope_scaling(scaling)
+  return cfg, scaling, json.loads(json.dumps(oc.as_config_dict()))
+
+
+def test_yarn_config_translates_and_matches_olmo_core_frequencies(yarn_config):
+  import torch
+  from olmo_core.nn.rope import compute_inv_freqs
+  import model
+  cfg, scaling, mc = yarn_config
+  ours = occ.config_from_olmo_core({'model': mc}, []).model
+  y = ours.yarn
+  assert y.enabled and (y.factor, y.beta_fast, y.beta_slow, y.original_max_position) == (
+      4.0, 16.0, 2.0, 32)
+  assert ours.layer_pattern == 'SSSF'
+  inv, factor = model.rope_frequencies(ours, full_layer=True)
+  ref, ref_factor = scaling.compute_scaled_inv_freq(500_000, ours.head_dim, torch.device('cpu'))
+  np.testing.assert_allclose(inv, ref.numpy(), rtol=1e-6)
+  assert factor == pytest.approx(ref_factor)
+  plain, one = model.rope_frequencies(ours, full_layer=False)  # sliding layers: no YaRN
+  np.testing.assert_allclose(plain, compute_inv_freqs(500_000, ours.head_dim, 'cpu').numpy(),
+                             rtol=1e-6)
+  assert one == 1.0
+  # The export writes it back the way with_rope_scaling does.
+  cfg.model.yarn = ours.yarn
+  again = occ.config_from_olmo_core(occ.olmo_core_config(cfg), []).model
+  assert again.yarn.to_dict() == ours.yarn.to_dict()
+
+
+def test_yarn_that_model_py_cannot_express_is_refused(yarn_config):
+  _, _, mc = yarn_config
+  everywhere = json.loads(json.dumps(mc))
+  everywhere['block']['sequence_mixer']['rope']['scaling'] = \
+      mc['block_overrides']['3']['sequence_mixer']['rope']['scaling']
+  with pytest.raises(occ.OlmoCoreCheckpointError, match='full-attention layers'):
+    occ.config_from_olmo_core({'model': everywhere}, [])
+  other = json.loads(json.dumps(mc))
+  for block in other['block_overrides'].values():
+    block['sequence_mixer']['rope']['scaling'] = {
+        '_CLASS_': 'olmo_core.nn.rope.PIRoPEScalingConfig', 'factor': 2.0}
+  with pytest.raises(occ.OlmoCoreCheckpointError, match='only one YaRN'):
+    occ.config_from_olmo_core({'model': other}, [])
+  wider = json.loads(json.dumps(mc))
+  wider['block_overrides']['3']['feed_forward']['hidden_size'] = 999
+  with pytest.raises(occ.OlmoCoreCheckpointError, match=r'block_overrides\[3\]'):
+    occ.config_from_olmo_core({'model': wider}, [])
