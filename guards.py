@@ -218,7 +218,11 @@ class MemorizationWatch:
   the evaluation's step: less noisy than one step's CE, and, unlike a mean, it
   does not lag a falling loss (a lag would read as a widening gap early in
   every run). The warning fires when the gap grew by more than `threshold`
-  nats across the last `evals` evaluations. In a healthy first epoch the gap
+  nats across the last `evals` evaluations, widening at each (fast
+  memorization), or when the mean gap of the last `evals` evaluations is more
+  than `threshold` above the mean of the first `evals` (a slow drift). Either
+  widening must also exceed 4 standard errors of the train-CE estimates (from
+  the line fits' residuals), so a small batch's jitter does not fire it. In a healthy first epoch the gap
   stays near constant: each train CE is measured before the update, on data
   the model has not seen, just as held-out CE is.
   """
@@ -230,6 +234,7 @@ class MemorizationWatch:
     self.threshold, self.evals = threshold, evals
     self.train: list[tuple[int, float]] = []  # (step, train CE) logged since the last eval
     self.gaps: list[tuple[int, float, float, float]] = []  # (step, train, held-out, gap)
+    self.noise: list[float] = []  # standard error of each train CE estimate
 
   def observe_train(self, step: int, ce: float) -> None:
     if np.isfinite(ce):
@@ -243,17 +248,35 @@ class MemorizationWatch:
     """
     if not self.train or not np.isfinite(heldout_ce):
       return {}
-    steps, ces = np.array(self.train, np.float64).T
+    x, ces = np.array(self.train, np.float64).T
+    x -= step
     self.train = []
-    if steps.size > 1 and np.ptp(steps) > 0:  # the trend line at this step
-      train = float(np.polyfit(steps - step, ces, 1)[1])  # the intercept: CE at `step`
-    else:
-      train = float(ces[-1])
-    self.gaps.append((step, train, heldout_ce, heldout_ce - train))
+    train, noise = float(ces[-1]), 0.0
+    if x.size > 2 and np.ptp(x) > 0:  # the trend line at this step, and its standard error
+      (slope, train), residual = np.polyfit(x, ces, 1, full=True)[:2]
+      sxx = float(((x - x.mean())**2).sum())
+      sigma2 = float(residual[0]) / (x.size - 2) if residual.size else 0.0
+      noise = (sigma2 * (1 / x.size + x.mean()**2 / sxx))**0.5
+    self.gaps.append((step, float(train), heldout_ce, heldout_ce - float(train)))
+    self.noise.append(noise)
     if len(self.gaps) < self.evals:
       return {}
-    (s0, t0, h0, g0), (s1, t1, h1, g1) = self.gaps[-self.evals], self.gaps[-1]
-    if g1 - g0 <= self.threshold:
+    k = self.evals
+    last = self.gaps[-k:]
+    gaps = np.array([g for *_, g in self.gaps])
+    means = np.convolve(gaps, np.ones(k) / k, 'valid')  # mean gap of every k evaluations
+    # A widening must also stand out of the train-CE noise (4 standard errors), so a small
+    # batch's jitter does not read as memorization; at 7B scale the noise is far below it.
+    pooled = float(np.mean(np.square(self.noise)))  # one estimate per eval is itself noisy
+    fast_bar = max(self.threshold, 4 * (2 * pooled)**0.5)
+    slow_bar = max(self.threshold, 4 * (2 * pooled / k)**0.5)
+    rising = all(b[3] > a[3] for a, b in zip(last, last[1:]))
+    if rising and last[-1][3] - last[0][3] > fast_bar:  # fast: widening at every eval
+      (s0, t0, h0, g0), (s1, t1, h1, g1) = last[0], last[-1]
+    elif means[-1] - means[0] > slow_bar:  # slow: the k-eval mean drifted up
+      (s0, t0, h0, _), (s1, t1, h1, _) = self.gaps[0], self.gaps[-1]
+      g0, g1 = means[0], means[-1]
+    else:
       return {}
     warning = (f'possible memorization: from step {s0} to {s1} training CE fell {t0 - t1:.3f} '
                f'(to {t1:.3f}) but held-out CE {h0 - h1:.3f} (to {h1:.3f}); the gap widened by '

@@ -237,10 +237,23 @@ def test_memorization_watch_on_synthetic_loss_curves(capsys):
   for seed in range(5):  # healthy: both curves fall together, noisy train CE, early fast fall
     assert _watch(fast_fall, lambda s: fast_fall(s) + 0.04, seed=seed) == []
   assert _watch(lambda s: 5 - s / 1000, lambda s: 5.03 - s / 1000) == []
+  # The README main job's logged curve (train.py --config=configs/small.py: train CE every
+  # 10 steps, validation at 50, 100, 150): its gap went 0.074, 0.164, 0.044 nats. Silent.
+  watch = guards.MemorizationWatch(threshold=0.1, evals=3)
+  readme_train = [6.7091, 6.2192, 5.9972, 5.8573, 5.7892, 5.6545, 5.5116, 5.3471, 5.3098,
+                  5.3492, 5.2449, 5.4286, 5.2425, 5.1959, 5.2168]
+  readme_heldout = {50: 5.7477, 100: 5.4355, 150: 5.2520}
+  for i, ce in enumerate(readme_train):
+    watch.observe_train(10 * (i + 1), ce)
+    if 10 * (i + 1) in readme_heldout:
+      assert watch.observe_eval(10 * (i + 1), readme_heldout[10 * (i + 1)]) == {}
   # Memorizing: train CE keeps falling 0.06 per eval while held-out CE stalls.
   fired = _watch(lambda s: 5.0 - 0.06 * s / 50, lambda s: 5.0)
-  assert fired and fired[0] == 150
+  assert fired and fired[0] <= 250
   assert 'possible memorization' in capsys.readouterr().err
+  # A slow drift, 0.02 nats per eval, never widening at every eval (noise 0.03): caught late.
+  slow = _watch(lambda s: 5.0 - 0.02 * s / 50, lambda s: 5.0, evals=30, seed=1)
+  assert slow and 300 <= slow[0] <= 1000
   with pytest.raises(ValueError, match='memorization_threshold'):
     guards.MemorizationWatch(threshold=0, evals=3)
 
