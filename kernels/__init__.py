@@ -81,10 +81,13 @@ def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
 def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
   """The Ops a model with `cfg` runs on JAX's current backend.
 
-  Under a mesh whose 'context' axis is > 1 (context parallelism), attention
-  runs through kernels/context_parallel.py with the impl's local attention.
+  Traced under a mesh whose 'context' axis is > 1 (context parallelism),
+  attention runs through kernels/context_parallel.py with the impl's local
+  attention; otherwise the impl's attention is returned as it is.
   """
   ops = _select(cfg, segments=segments)
+  if context_parallel.degree() == 1:
+    return ops
   if ops.impl == 'pallas':
     local = context_parallel.pallas_local(cfg.attention_block_q, cfg.attention_block_kv,
                                           interpret=not pltpu.is_tpu_device())
@@ -96,7 +99,7 @@ def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
 
   def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
     # (train.validate makes seq_len split; the 1-token init trace runs unsplit.)
-    if context_parallel.degree() > 1 and q_BTHK.shape[1] > 1:
+    if q_BTHK.shape[1] > 1:
       return context_parallel.attention(q_BTHK, k_BSGK, v_BSGK, window=window,
                                         segment_ids_BT=segment_ids_BT, local=local,
                                         head_stride=head_stride)

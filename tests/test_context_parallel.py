@@ -26,7 +26,7 @@ from kernels import context_parallel
 RTOL = 2e-5
 
 
-def _config(impl='xla', seq_len=64, window=8, head_dim=16):
+def _config(impl='xla', seq_len=64, window=12, head_dim=16):
   cfg = small.get_config()
   m = cfg.model
   m.num_layers, m.layer_pattern, m.d_model, m.mlp_hidden, m.vocab_size = 2, 'SF', 64, 128, 256
@@ -97,6 +97,7 @@ def _assert_close(got, want, rtol=RTOL):
 
 @pytest.fixture(scope='module')
 def xla_setup():
+  """Window 12 against chunks of 16 (CP 2), 8 and 4 (CP 8): narrower and wider than a chunk."""
   cfg = _config()
   params = model.init_params(cfg.model, jax.random.key(1))
   batch = _batch(cfg)
@@ -112,31 +113,24 @@ def test_xla_loss_and_grads_equal_cp1(xla_setup, cp):
 
 
 def test_document_positions_under_cp_equal_cp1():
-  cfg = _config(window=16)
+  """RoPE positions restarting per document travel with their tokens through the layout."""
+  cfg = _config(window=24)
   cfg.model.rope_document_positions = True
   params = model.init_params(cfg.model, jax.random.key(2))
   batch = _batch(cfg, seed=3)
-  _assert_close(_loss_and_grads(cfg, 4, params, batch)[0],
-                _loss_and_grads(cfg, 1, params, batch)[0])
-
-
-def test_window_wider_than_a_chunk_and_no_documents():
-  cfg = _config(window=24)  # CP 8: chunks of 4 tokens, the window spans 6 of them
-  params = model.init_params(cfg.model, jax.random.key(4))
-  batch = _batch(cfg, seed=5, docs=False)
   _assert_close(_loss_and_grads(cfg, 8, params, batch)[0],
                 _loss_and_grads(cfg, 1, params, batch)[0])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('cp', [2, 8])
-def test_pallas_loss_and_grads_equal_cp1(cp):
+@pytest.mark.parametrize('cp,docs', [(2, False), (8, True)])
+def test_pallas_loss_and_grads_equal_cp1(cp, docs):
   """The Pallas kernel (interpret mode) under CP against the same kernel without CP."""
   cfg = _config('pallas', seq_len=256, window=48, head_dim=128)
   cfg.data.global_batch_size = 2
   cfg.model.context_head_stride = 1  # one kv head per gather: exercises the head loop
   params = model.init_params(cfg.model, jax.random.key(6))
-  batch = _batch(cfg, seed=7)
+  batch = _batch(cfg, seed=7, docs=docs)
   _assert_close(_loss_and_grads(cfg, cp, params, batch, fsdp=1)[0],
                 _loss_and_grads(cfg, 1, params, batch, fsdp=1)[0])
 
@@ -158,7 +152,7 @@ def test_train_step_metrics_equal_cp1(xla_setup):
 
 
 def test_activation_memory_falls_with_the_cp_degree():
-  cfg = _config(seq_len=1024, window=64)
+  cfg = _config(seq_len=512, window=128)
   cfg.data.global_batch_size = 1
   params = model.init_params(cfg.model, jax.random.key(0))
   batch = _batch(cfg, docs=True)
@@ -167,7 +161,8 @@ def test_activation_memory_falls_with_the_cp_degree():
   for cp in (1, 2, 4, 8):
     _, compiled = _loss_and_grads(cfg, cp, params, batch, fsdp=1, run=False)
     temps[cp] = compiled.memory_analysis().temp_size_in_bytes
-  assert temps[2] < 0.7 * temps[1] and temps[4] < 0.7 * temps[2] and temps[8] < 0.8 * temps[4], temps
+  # Measured 17.6, 11.3, 5.3, 3.1 MB: each doubling removes at least a fifth.
+  assert temps[2] < 0.8 * temps[1] and temps[4] < 0.8 * temps[2] and temps[8] < 0.8 * temps[4], temps
 
 
 # --- The pieces -----------------------------------------------------------------
