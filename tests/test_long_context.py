@@ -7,6 +7,9 @@ eager attention); OLMo-core 3.0's `RotaryEmbedding` on packed documents
 balancer shards; the stage-2 checkpoint's own arrays.
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +105,33 @@ def test_document_positions_are_olmo_core_cu_doc_lens_rope(doc_lens):
   np.testing.assert_allclose(_ours_rope(q, positions), ref.numpy(), atol=2e-6)
   cfg.rope_document_positions = False  # the knob off: 0..T-1 whatever the documents
   np.testing.assert_array_equal(model.positions(cfg, 1, t, segment_ids)[0], np.arange(t))
+
+
+def test_document_positions_equal_olmo_core_per_document_forwards():
+  """OLMo-core's own model (torch, CPU) run on each document alone, which its
+  cu_doc_lens RoPE is defined to reproduce, equals our packed forward with
+  rope_document_positions. With positions 0..T-1 it does too, up to rounding:
+  RoPE logits depend on position differences only, and documents never
+  attend across boundaries (docs/long_context.md)."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts'))
+  import reproduce_olmo_core as repro
+  cfg = repro.repro_config(repro.run_overrides(4, 1, repro.shape_overrides(
+      d_model=64, mlp_hidden=192, window=16, seq_len=64, batch_size=4)))
+  net = repro.olmo_core_model(cfg, init_seed=3)
+  params = repro.olmo_core_to_params(net.state_dict(), cfg.model.num_layers)
+  doc_lens = [9, 30, 25]
+  tokens, segment_ids = _packed(2, doc_lens)
+  starts = np.cumsum([0] + doc_lens)
+  reference = np.concatenate([repro.olmo_core_logits(net, tokens[:, a:b])[0]
+                              for a, b in zip(starts[:-1], starts[1:])])
+  m = cfg.model
+  m.dtype = 'float32'
+  diffs = {}
+  for restart in (True, False):
+    m.rope_document_positions = restart
+    ours = np.asarray(model.logits(params, jnp.asarray(tokens), m, jnp.asarray(segment_ids)))[0]
+    diffs[restart] = np.abs(ours - reference[:, :ours.shape[-1]]).max(axis=-1)
+  assert diffs[True].max() < 1e-4 and diffs[False].max() < 1e-4, diffs
 
 
 @pytest.mark.parametrize('cp,rank', [(2, 1), (4, 3)])
