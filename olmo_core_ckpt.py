@@ -486,16 +486,32 @@ def adam_count(reader: Reader, num_layers: int) -> int | None:
   return int(next(iter(counts.values())))
 
 
-def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str, str],
-             shape: tuple[int, ...]) -> Callable[[], Iterator]:
-  """pieces() for save_streamed: our array `key` one layer at a time from OLMo-core's tensors.
+BLOCK_BYTES = 256 << 20  # a vocabulary-sized array moves in row blocks of about this size
 
+
+def _block_rows(rows: int, row_bytes: int) -> int:
+  """Rows per block: the fewest equal blocks (a divisor of `rows`) of at most BLOCK_BYTES.
+
+  The 7B's embedding and lm_head are 1.6 GB each; whole, their transposed copy and
+  tensorstore's copy of what it writes would double the converter's peak memory.
+  """
+  return rows // next((d for d in range(1, rows + 1)
+                       if rows % d == 0 and rows // d * row_bytes <= BLOCK_BYTES), rows)
+
+
+def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str, str],
+             shape: tuple[int, ...]) -> tuple[tuple[int, ...], Callable[[], Iterator]]:
+  """(piece shape, pieces()) for save_streamed: our array `key` from OLMo-core's tensors.
+
+  Per-layer arrays go one layer at a time, the others in row blocks (_block_rows).
   source formats an fqn into the checkpoint key ('model.{}', 'optim.state.{}.exp_avg');
   None gives zeros (a weights-only source has no moments).
   """
   fqns = [f for f, k, _ in tensor_names(num_layers) if k == key]
   stacked = key not in GLOBAL.values()  # per-layer arrays are [L, ...], even at L = 1
   per = shape[1:] if stacked else shape
+  rows = per[0] if stacked else _block_rows(per[0], 4 * math.prod(per[1:]))
+  piece = (1, *per) if stacked else (rows, *per[1:])
 
   def pieces():
     for i, fqn in enumerate(fqns):
@@ -505,12 +521,13 @@ def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str
         raise OlmoCoreCheckpointError(f'{source.format(fqn)}: shape {value.T.shape} does not '
                                       f'fit the config ({per} ours); config.json does not '
                                       'describe these weights.')
-      if not stacked:
-        yield tuple((0, n) for n in shape), value.astype(np.float32, copy=False)
-      else:
-        yield (((i, i + 1),) + tuple((0, n) for n in per),
-               value[None].astype(np.float32, copy=False))
-  return pieces
+      value = value.astype(np.float32, copy=False)
+      if stacked:
+        yield ((i, i + 1),) + tuple((0, n) for n in per), value[None]
+      else:  # save_streamed copies each block C-ordered (the lm_head's is a transposed view)
+        for a in range(0, per[0], rows):
+          yield ((a, a + rows),) + tuple((0, n) for n in per[1:]), value[a:a + rows]
+  return piece, pieces
 
 
 def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict | None = None,
@@ -605,9 +622,8 @@ def _write(reader: Reader, cfg, out_dir: str, step: int, count: int | None, meta
                          ('opt_state/nu', 'optim.state.{}.exp_avg_sq' if moments else None)):
     for key in sorted(shapes):
       shape = shapes[key] if key in GLOBAL.values() else (m.num_layers, *shapes[key])
-      piece = shape if key in GLOBAL.values() else (1, *shape[1:])
-      arrays.append((f'{prefix}/{key[0]}/{key[1]}', shape, np.float32, piece,
-                     _stacked(reader, m.num_layers, source, key, shape)))
+      arrays.append((f'{prefix}/{key[0]}/{key[1]}', shape, np.float32,
+                     *_stacked(reader, m.num_layers, source, key, shape)))
   window = int(cfg.opt.skip_window)
   scalars = {'step': (step, np.int32), 'count': (count or 0, np.int32),
              'loss_history_W': (np.zeros(window), np.float32),
@@ -713,12 +729,13 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
                            ('exp_avg_sq', 'opt_state/nu')):
         for fqn, key, layer in tensor_names(m.num_layers):
           name = f'{prefix}/{key[0]}/{key[1]}'
+          shape = convert._shapes(m)[key]  # pylint: disable=protected-access
           if layer is None:
-            value = read(name)
+            value = _read_global(read, name, fqn, shape)
           else:
-            shape = convert._shapes(m)[key]  # pylint: disable=protected-access
             value = read(name, ((layer, layer + 1),) + tuple((0, n) for n in shape))[0]
-          value = np.ascontiguousarray(_to_ours(fqn, value), np.float32)  # the transpose is its own inverse
+            # _to_ours is its own inverse: OLMo-core's layout from ours.
+            value = np.ascontiguousarray(_to_ours(fqn, value), np.float32)
           put(f'model.{fqn}' if what == 'model' else f'optim.state.{fqn}.{what}', value)
           if what == 'model':  # Adam's count as OLMo-core keeps it: a float32 per parameter
             put(f'optim.state.{fqn}.step', np.asarray(count, np.float32))
@@ -744,6 +761,20 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return step
+
+
+def _read_global(read: Callable, name: str, fqn: str, shape: tuple[int, ...]) -> np.ndarray:
+  """A non-layer array of ours in OLMo-core's layout, read in row blocks (bounded memory)."""
+  transposed = len(shape) == 2 and fqn != 'embeddings.weight'  # as _to_ours
+  out = np.empty(shape[::-1] if transposed else shape, np.float32)
+  rows = _block_rows(shape[0], 4 * math.prod(shape[1:]))
+  for a in range(0, shape[0], rows):
+    block = read(name, ((a, min(a + rows, shape[0])),) + tuple((0, n) for n in shape[1:]))
+    if transposed:
+      out[:, a:a + rows] = block.T
+    else:
+      out[a:a + rows] = block
+  return out
 
 
 def _write_trainer_state(step_dir: str, step: int, cfg, loader: dict, torch) -> None:

@@ -467,6 +467,29 @@ def test_export_import_round_trip_on_another_shape(synthetic, tmp_path):
   assert meta['data']['step'] == 5 and meta['config']['model']['num_kv_heads'] == 2
 
 
+def test_vocabulary_arrays_move_in_row_blocks_bit_exactly(synthetic, tmp_path, monkeypatch):
+  """The embedding and lm_head in 8 row blocks each way (as the 7B's 1.6 GB ones go)."""
+  cfg = synthetic['cfg']
+  monkeypatch.setattr(occ, 'BLOCK_BYTES', 4 * cfg.model.vocab_size * 8)  # 8 of D's 64 rows
+  export = str(tmp_path / 'step5')
+  occ.export_step(synthetic['ckpt'], export)
+  reader = occ.Reader(os.path.join(export, 'model_and_optim'))
+  np.testing.assert_array_equal(reader.tensor('model.lm_head.w_out.weight'),
+                                synthetic['state'].params['lm_head']['w'].T)
+  occ.import_step(export, str(tmp_path / 'back'))
+  got = _ours(str(tmp_path / 'back'), cfg, 5)
+  for tree in ('params', 'mu', 'nu'):
+    ours = got.params if tree == 'params' else getattr(got.opt_state, tree)
+    want = (synthetic['state'].params if tree == 'params'
+            else getattr(synthetic['state'].opt_state, tree))
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(x, y)
+  box = ((0, cfg.model.d_model), (100, 4000))  # across blocks
+  np.testing.assert_array_equal(
+      checkpoint.read_array(str(tmp_path / 'back'), 'opt_state/mu/lm_head/w', box),
+      synthetic['state'].opt_state.mu['lm_head']['w'][:, 100:4000])
+
+
 def test_weights_only_source_starts_the_moments_at_zero(synthetic, tmp_path, caplog):
   import pickle
   import shutil
