@@ -97,7 +97,8 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
   marked = collections.Counter()  # epoch -> ids marked
   repeats: list[dict[str, int]] = []  # examples: where repeated ids were read
   resumes = 0
-  loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, cache_dir=cache_dir)
+  loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, cache_dir=cache_dir,
+                     stop_at_epoch_end=True)  # no read-ahead into an epoch the plan never reaches
   loader.positions = positions  # W ranks: row block r is rank r's instances, in its order
   chunk: list[tuple[int, int, np.ndarray]] = []  # (epoch, step index in run, ids in row order)
   start = time.time()
@@ -126,9 +127,12 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
         state = json.loads(json.dumps(loader.state()))
         loader.close()
         loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir)
-        loader.positions = positions
+        loader.positions, loader.stop_at_epoch_end = positions, True
         resumes += 1
-      ids = next(loader)
+      try:
+        ids = next(loader)
+      except StopIteration:  # an epoch ended: the next call starts the next one, as the run does
+        ids = next(loader)
       chunk.append((loader.last_position[0], k, np.asarray(ids)))
       if len(chunk) == _CHUNK_STEPS:
         flush()
