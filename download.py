@@ -140,6 +140,10 @@ def remote_size(url: str, *, timeout: float = 60.0) -> int | None:
       time.sleep(0.5 * 2**attempt)
     except urllib.error.HTTPError:  # 416 on a HEAD: size unknown
       return None
+    except DownloadError as e:
+      if e.status == 405:  # the server does not answer HEAD: the GET will tell the size
+        return None
+      raise
   return None
 
 

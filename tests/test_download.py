@@ -32,6 +32,7 @@ class FaultyServer:
     self.files = dict(files or {})
     self.faults: dict[str, list[tuple]] = {}
     self.log: list[tuple[str, str, str | None]] = []
+    self.no_head = False  # answer HEAD with 405, as some servers do
     self.lock = threading.Lock()
     server = self
 
@@ -40,6 +41,9 @@ class FaultyServer:
         pass
 
       def do_HEAD(self):
+        if server.no_head:
+          self.send_error(405)
+          return
         self._serve(body=False)
 
       def do_GET(self):
@@ -254,3 +258,5 @@ def test_remote_size_and_the_progress_bar(server, tmp_path, capsys):
   download.fetch([download.Item(server.url + '/f.npy', str(tmp_path / 'f.npy'))], backoff=0.01)
   err = capsys.readouterr().err
   assert 'MiB/s' in err and 'ETA' in err and '2.4/2.4 MiB' in err
+  server.no_head = True
+  assert download.remote_size(server.url + '/f.npy') is None
