@@ -13,11 +13,12 @@ train.py acts on their verdicts (exit codes, checkpoints, messages).
 
 import contextlib
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from absl import app, flags, logging
 import ml_collections
@@ -165,6 +166,28 @@ def mark_seen(bitmap: np.ndarray, ids: np.ndarray) -> np.ndarray:
   return ids[again]
 
 
+def duplicate_files(paths: Sequence[str], sample: int = 1 << 20) -> dict[int, int]:
+  """{j: i} for each file j that repeats an earlier file i (same real path, or same size and
+  the same `sample` bytes at its start, middle and end: a byte-exact check would read every
+  file, and token files that agree there are copies)."""
+  seen: dict[Any, int] = {}
+  out = {}
+  for j, path in enumerate(paths):
+    real, size = os.path.realpath(path), os.path.getsize(path)
+    with open(path, 'rb') as f:
+      parts = []
+      for offset in (0, max(0, size // 2 - sample // 2), max(0, size - sample)):
+        f.seek(offset)
+        parts.append(f.read(sample))
+    keys = (('path', real), ('content', size, hashlib.sha256(b''.join(parts)).digest()))
+    first = next((seen[k] for k in keys if k in seen), None)
+    if first is None:
+      seen.update(dict.fromkeys(keys, j))
+    else:
+      out[j] = first
+  return out
+
+
 class RepeatTracker:
   """The `data/repeated instances` metric: instance ids already seen this epoch.
 
@@ -175,16 +198,39 @@ class RepeatTracker:
   It counts the rows this process loads (all of them on one host).
   """
 
-  def __init__(self, num_instances: int):
+  def __init__(self, num_instances: int, aliases: Sequence[tuple[int, int, int]] = ()):
+    """`aliases`: (start, stop, offset): ids in [start, stop) are instance id + offset's twins."""
     self.bitmap = np.zeros((num_instances + 7) // 8, np.uint8)
+    self.aliases = tuple(aliases)
     self.epoch: int | None = None
     self.total = self.steps_with_repeats = 0  # repeats this epoch, and steps that had any
+
+  @classmethod
+  def for_dataset(cls, ds: Any) -> 'RepeatTracker':
+    """A tracker for a data.Dataset that also counts a file listed twice as repeats.
+
+    The instances of a file that duplicates an earlier one (same real path,
+    or same size and same bytes at its start, middle and end) are counted as
+    that file's instances, so reading both copies in an epoch shows up here.
+    """
+    aliases = []
+    if not hasattr(ds, 'starts'):  # a packed dataset's instances do not map to files
+      return cls(ds.num_instances)
+    for j, i in duplicate_files([f.path for f in ds.files]).items():
+      logging.warning('data: %s (mix entry %d) duplicates %s (entry %d); its %d instances repeat '
+                      'that file\'s and count in data/repeated instances.', ds.files[j].path, j,
+                      ds.files[i].path, i, int(ds.starts[j + 1] - ds.starts[j]))
+      aliases.append((int(ds.starts[j]), int(ds.starts[j + 1]), int(ds.starts[i] - ds.starts[j])))
+    return cls(ds.num_instances, aliases)
 
   def observe(self, epoch: int, ids: np.ndarray) -> int:
     """Marks one step's ids; returns how many were already seen this epoch (and warns)."""
     if epoch != self.epoch:
       self.bitmap[:] = 0
       self.epoch, self.total, self.steps_with_repeats = epoch, 0, 0
+    ids = np.array(ids, np.int64).reshape(-1)
+    for start, stop, offset in self.aliases:
+      ids[(ids >= start) & (ids < stop)] += offset
     repeated = mark_seen(self.bitmap, ids)
     self.total += repeated.size
     if repeated.size:

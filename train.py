@@ -653,7 +653,7 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, ds: data.Dataset
   train_step = jax.jit(make_train_step(cfg, mesh, accum), donate_argnums=0,
                        out_shardings=(shardings, None))
   evaluate = held_out_evaluator(cfg, mesh)
-  repeats = guards.RepeatTracker(ds.num_instances) if cfg.train.track_repeats else None
+  repeats = guards.RepeatTracker.for_dataset(ds) if cfg.train.track_repeats else None
   if repeats is not None and loader.step:  # a resumed epoch: its earlier batches were seen
     repeats.replay(loader.epoch, (loader.ids_at(loader.epoch, s) for s in range(loader.step)))
   memorization = guards.MemorizationWatch(cfg.train.memorization_threshold,

@@ -144,6 +144,25 @@ def test_the_in_loop_metric_catches_the_same_planted_bug(files, monkeypatch):
   assert resumed.total == 0 and resumed.observe(1, loader.ids_at(1, 2)) == 8
 
 
+def test_same_file_twice_is_caught_by_the_in_loop_metric(files, tmp_path):
+  copy = tmp_path / 'copy.npy'
+  copy.write_bytes(open(files[2], 'rb').read())  # another path, the same bytes
+  assert guards.duplicate_files(files) == {}
+  assert guards.duplicate_files(files + [files[2], str(copy)]) == {4: 2, 5: 2}
+  ds = _ds(files + [str(copy)])
+  tracker = guards.RepeatTracker.for_dataset(ds)
+  with data.Loader(ds, seed=7, global_batch_size=8) as loader:
+    for _ in range(ds.num_instances // 8):
+      next(loader)
+      tracker.observe(loader.last_position[0], loader.ids_at(*loader.last_position))
+  # A repeat for each instance of f2 read along with its twin in the copy (the tail is dropped).
+  tail = set(data.permutation(ds.num_instances, 7, 1)[ds.num_instances // 8 * 8:].tolist())
+  pairs = sum(ds.starts[2] + k not in tail and ds.starts[4] + k not in tail
+              for k in range(777 // T))
+  assert tracker.total == pairs > 0
+  assert guards.RepeatTracker.for_dataset(_ds(files)).aliases == ()
+
+
 def test_same_file_twice_is_caught_by_content_and_a_clean_mix_reports_zero(files, tmp_path):
   clean = audit.audit_content(_ds(files), min_doc_tokens=8)
   assert clean['identical_instances'] == 0
