@@ -24,7 +24,8 @@ does not save the skip-step history, so a converted run starts with an empty
 window, as OLMo-core's own resume does.
 
 Both directions stream one layer of one tensor at a time (checkpoint.save_streamed,
-checkpoint.read_array), so host memory stays near the largest single tensor.
+checkpoint.read_array), and the vocabulary-sized arrays in row blocks, so host memory
+stays near the largest single tensor (bench/bench_convert_memory.py measures it).
 Reading needs torch (the blobs are torch.save archives) but not olmo_core: the
 storage-info record OLMo-core pickles into `.metadata` is read as a plain record.
 torch comes with the optional extra: pip install '.[olmo-core]'.
@@ -284,7 +285,10 @@ def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.
   if not isinstance(mc, dict) or 'd_model' not in mc:
     raise OlmoCoreCheckpointError("config.json has no 'model' section with d_model; it is not "
                                   'an OLMo-core experiment config.')
-  m, mixer = cfg.model, _get(mc, 'block', 'sequence_mixer', default={})
+  m, mixer = cfg.model, _mixer(mc.get('block') or {})
+  if not mixer:
+    raise OlmoCoreCheckpointError("config.json's model.block has no attention settings "
+                                  "('sequence_mixer', or 'attention' in older OLMo-core).")
   if _get(mc, 'block', 'name', default='reordered_norm') != 'reordered_norm':
     raise OlmoCoreCheckpointError(f"block {mc['block']['name']!r} is not Olmo 3's reordered_norm.")
   m.num_layers, m.d_model, m.vocab_size = mc['n_layers'], mc['d_model'], mc['vocab_size']
@@ -345,9 +349,15 @@ def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.
   return cfg
 
 
+def _mixer(block: dict) -> dict:
+  """A block's attention settings: `sequence_mixer`, or `attention` in configs written by
+  older OLMo-core (3.0.0's TransformerBlockConfig still reads both)."""
+  return block.get('sequence_mixer') or block.get('attention') or {}
+
+
 def _without_scaling(block: dict) -> str:
   block = json.loads(json.dumps(block))
-  (_get(block, 'sequence_mixer', 'rope') or {}).pop('scaling', None)
+  (_mixer(block).get('rope') or {}).pop('scaling', None)
   return json.dumps(block, sort_keys=True)
 
 
@@ -360,14 +370,14 @@ def _translate_rope(mc: dict, m: ml_collections.ConfigDict, full_layers: list[in
   exactly those layers, so only that form translates.
   """
   block = mc.get('block') or {}
-  m.rope_theta = float((_get(block, 'sequence_mixer', 'rope') or {}).get('theta', m.rope_theta))
+  m.rope_theta = float((_mixer(block).get('rope') or {}).get('theta', m.rope_theta))
   overrides = {int(i): b for i, b in (mc.get('block_overrides') or {}).items()}
   scaled = {}
   for i in range(m.num_layers):
     if i in overrides and _without_scaling(overrides[i]) != _without_scaling(block):
       raise OlmoCoreCheckpointError(f'block_overrides[{i}] changes more than the RoPE scaling; '
                                     'layers that differ otherwise cannot be translated.')
-    scaling = (_get(overrides.get(i, block), 'sequence_mixer', 'rope') or {}).get('scaling')
+    scaling = (_mixer(overrides.get(i, block)).get('rope') or {}).get('scaling')
     if scaling:
       scaled[i] = scaling
   m.yarn.enabled = bool(scaled)

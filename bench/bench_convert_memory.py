@@ -49,7 +49,9 @@ _VOCAB = flags.DEFINE_integer('vocab_size', 100352, "dolma2's 100,278 padded to 
                               '(OLMo-core TokenizerConfig.padded_vocab_size).')
 _WRITE = flags.DEFINE_string('write_source', '', 'Internal: write the OLMo-core step directory '
                              'here (the writer subprocess).')
-_NUM_LAYERS = flags.DEFINE_integer('num_layers', 1, 'Internal: layers of --write_source.')
+_CHECK = flags.DEFINE_list('check', [], 'Internal: CKPT,EXPORT to check against the written '
+                           'values (a subprocess too).')
+_NUM_LAYERS = flags.DEFINE_integer('num_layers', 1, 'Internal: layers of --write_source, --check.')
 
 STEP, COUNT = 1000, 1001  # the written step and Adam count (count = step + 1, as OLMo-core's)
 GB = 1e9
@@ -151,9 +153,10 @@ def main(argv):
   if _WRITE.value:
     write_source(_WRITE.value, _NUM_LAYERS.value)
     return
-  from configs import olmo3_7b  # pylint: disable=import-outside-toplevel
-  import model  # pylint: disable=import-outside-toplevel
-  full = 12 * model.param_count(olmo3_7b.model_config())  # params + mu + nu, float32
+  if _CHECK.value:
+    _check(_tensors(_NUM_LAYERS.value), *_CHECK.value)
+    return
+  full = 12 * 7_298_617_344  # params + mu + nu, float32 (model.param_count of the 7B)
   largest = 4 * _VOCAB.value * _D_MODEL.value  # the embedding (and the lm_head)
   root = _DIR.value or tempfile.mkdtemp(prefix='bench_convert_memory_')
   os.makedirs(root, exist_ok=True)
@@ -165,15 +168,19 @@ def main(argv):
       src, ckpt = os.path.join(root, f'step{STEP}_L{layers}'), os.path.join(root, f'ours_L{layers}')
       export = os.path.join(root, f'export_L{layers}')
       os.makedirs(src)
-      subprocess.run([py, os.path.abspath(__file__), f'--write_source={src}',
-                      f'--num_layers={layers}', f'--d_model={_D_MODEL.value}',
-                      f'--num_heads={_HEADS.value}', f'--mlp_hidden={_MLP.value}',
-                      f'--vocab_size={_VOCAB.value}'], check=True, cwd=REPO,
-                     env=dict(os.environ, JAX_PLATFORMS='cpu'), stdout=subprocess.DEVNULL)
+      shape = [f'--num_layers={layers}', f'--d_model={_D_MODEL.value}',
+               f'--num_heads={_HEADS.value}', f'--mlp_hidden={_MLP.value}',
+               f'--vocab_size={_VOCAB.value}']
+      # Writer and checker are subprocesses too: a child's ru_maxrss starts at its parent's
+      # resident size when it forks, so this process must stay small.
+      subprocess.run([py, os.path.abspath(__file__), f'--write_source={src}', *shape],
+                     check=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                     stdout=subprocess.DEVNULL)
       size = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(src) for n in ns)
       imp = peak_rss([py, 'convert.py', f'--from_olmo_core={src}', f'--to={ckpt}'])
       exp = peak_rss([py, 'convert.py', f'--from_ckpt={ckpt}', f'--to_olmo_core={export}'])
-      _check(_tensors(layers), ckpt, export)
+      subprocess.run([py, os.path.abspath(__file__), f'--check={ckpt},{export}', *shape],
+                     check=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'))
       rows.append((layers, size, imp, exp))
       print(f'{layers} layer(s): source {size / GB:.2f} GB; peak RSS import {imp / GB:.2f} GB, '
             f'export {exp / GB:.2f} GB', flush=True)

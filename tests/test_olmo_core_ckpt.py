@@ -5,11 +5,14 @@ and ConfigSaverCallback) on a tiny Olmo 3 for k steps and saves, then continues 
 k -> 2k from that checkpoint (`load_path`), once as shipped and once with every
 weight moved one ulp (the noise floor of scripts/reproduce_olmo_core.py, at two
 runs). The tests convert that checkpoint and check it against OLMo-core reading
-it (`olmo_core.distributed.checkpoint.load_keys`), continue it with train.py, export
-it back and let OLMo-core continue from the export. The fast tests check bad input
-on a step directory written by the exporter.
+it (`olmo_core.distributed.checkpoint.load_keys`), continue it with train.py through
+the documented CLI, start the shrunk stage-2 config from it against OLMo-core's own
+midtrain start, export it back and let OLMo-core continue from the export; and
+convert a checkpoint OLMo-core saved from 2 FSDP ranks. The fast tests check
+`--config`, YaRN, row blocks and bad input on step directories written by the
+exporter or by OLMo-core's config classes.
 
-Run as a script, this file is the OLMo-core side (one process per run):
+Run as a script, this file is the OLMo-core side (one process per rank):
     python tests/test_olmo_core_ckpt.py SPEC_JSON
 """
 
@@ -623,6 +626,12 @@ def test_yarn_config_translates_and_matches_olmo_core_frequencies(yarn_config):
   np.testing.assert_allclose(plain, compute_inv_freqs(500_000, ours.head_dim, 'cpu').numpy(),
                              rtol=1e-6)
   assert one == 1.0
+  # Older OLMo-core named the block's sequence_mixer `attention`: the same model.
+  old = json.loads(json.dumps(mc).replace('"sequence_mixer"', '"attention"'))
+  assert occ.config_from_olmo_core({'model': old}, []).model.to_dict() == ours.to_dict()
+  del old['block']['attention']
+  with pytest.raises(occ.OlmoCoreCheckpointError, match='no attention settings'):
+    occ.config_from_olmo_core({'model': old}, [])
   # The export writes it back the way with_rope_scaling does.
   cfg.model.yarn = ours.yarn
   again = occ.config_from_olmo_core(occ.olmo_core_config(cfg), []).model
