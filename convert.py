@@ -654,7 +654,7 @@ def main(argv):
       check_destination(FLAGS.to, FLAGS.overwrite)  # before a download
       src = FLAGS.from_olmo_core
       if re.match(r'^(https?|gs|s3)://', src):
-        src = olmo_core_ckpt.fetch(src, FLAGS.cache_dir)
+        src = olmo_core_ckpt.fetch(src, FLAGS.cache_dir, base=FLAGS.config)
       out = olmo_core_ckpt.import_step(src, FLAGS.to, base=FLAGS.config,
                                        overwrite=FLAGS.overwrite)
       moments = (f"Adam count {out['adam_count']}" if out['moments']

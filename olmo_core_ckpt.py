@@ -657,20 +657,23 @@ def _write(reader: Reader, cfg, out_dir: str, step: int, count: int | None, meta
 # --- Fetching a step directory over HTTP ------------------------------------------------------
 
 
-def fetch(url: str, cache_dir: str | None = None, **kwargs) -> str:
+def fetch(url: str, cache_dir: str | None = None, *,
+          base: ml_collections.ConfigDict | None = None, **kwargs) -> str:
   """Downloads an OLMo-core step directory (listed by its .metadata) into a cache; its path.
 
   Directory listings are not available over HTTP, so .metadata comes first and
   names the .distcp files. Everything goes through download.fetch: parallel,
-  resumable, retried, verified, one progress bar; a rerun fetches nothing.
+  resumable, retried, verified, one progress bar; a rerun fetches nothing. A
+  `base` (convert.py --config) is checked against config.json before the tensors
+  (tens of GB) are fetched.
   """
   import download  # pylint: disable=import-outside-toplevel  # only the URL path needs it
-  base = url.rstrip('/')
-  parsed = urllib.parse.urlparse(base)
+  root = url.rstrip('/')
+  parsed = urllib.parse.urlparse(root)
   cache_dir = cache_dir or os.path.join(os.path.expanduser('~'), '.cache', 'olmo3_jax',
                                         'olmo_core')
   local = os.path.join(cache_dir, parsed.netloc, parsed.path.strip('/'))
-  item = lambda rel: download.Item(f'{base}/{rel}', os.path.join(local, rel))
+  item = lambda rel: download.Item(f'{root}/{rel}', os.path.join(local, rel))
   download.fetch([item('model_and_optim/.metadata'), item('config.json')], **kwargs)
   for optional in ('train/rank0.pt', 'data_paths.txt', '.metadata.json'):
     try:  # a weights-only directory has no trainer state
@@ -678,7 +681,10 @@ def fetch(url: str, cache_dir: str | None = None, **kwargs) -> str:
     except download.DownloadError as e:
       if e.status != 404:
         raise
-      logging.warning('%s/%s is not there (404); continuing without it.', base, optional)
+      logging.warning('%s/%s is not there (404); continuing without it.', root, optional)
+  if base is not None:
+    _checked_base(base, config_from_olmo_core(_read_json(os.path.join(local, 'config.json')),
+                                              []))
   files = Reader(os.path.join(local, 'model_and_optim')).files()
   download.fetch([item(f'model_and_optim/{f}') for f in files], **kwargs)
   return local

@@ -554,6 +554,11 @@ def test_url_fetch_resumes_an_interrupted_download_and_converts_the_same(synthet
   server.faults[blob] = [('drop', len(files[blob]) // 3)]  # the connection dies a third in
   try:
     cache = str(tmp_path / 'cache')
+    wrong = repro_cfg(20, {'model.num_kv_heads': 2, 'model.num_layers': 3,
+                           'model.layer_pattern': 'SF'})
+    with pytest.raises(occ.OlmoCoreCheckpointError, match='num_layers=3'):
+      occ.fetch(server.url + '/ckpt/step5/', cache, base=wrong, progress=False)
+    assert not server.gets(blob)  # refused before the tensors were fetched
     local = occ.fetch(server.url + '/ckpt/step5/', cache, progress=False, backoff=0.01)
     gets = server.gets(blob)
     assert len(gets) == 2 and gets[1][2] == f'bytes={len(files[blob]) // 3}-'  # resumed
