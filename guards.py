@@ -274,9 +274,9 @@ class MemorizationWatch:
   """
 
   def __init__(self, threshold: float, evals: int):
-    if not threshold > 0 or evals < 2:
-      raise ValueError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
-                       f'>= 2; got {threshold} and {evals}.')
+    if not threshold > 0 or evals < 2:  # RunError: train.py prints it as one line, exit 1
+      raise RunError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
+                     f'>= 2; got {threshold} and {evals}. Set --config.train.memorization_*.')
     self.threshold, self.evals = threshold, evals
     self.train: list[tuple[int, float]] = []  # (step, train CE) logged since the last eval
     self.gaps: list[tuple[int, float, float, float]] = []  # (step, train, held-out, gap)
