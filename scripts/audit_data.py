@@ -50,6 +50,7 @@ FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 _CHUNK_STEPS = 1024  # steps whose ids are marked in one vectorized call
 _CHUNK_TOKENS = 1 << 22  # tokens hashed per vectorized call
 _MAX_EXAMPLES = 10  # offending ids/files listed per finding
+_MAX_BUCKETS = 256  # hash buckets on disk per kind (instances, documents)
 
 
 # --- The order --------------------------------------------------------------------------------
@@ -243,6 +244,11 @@ def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: in
   total_tokens = sum(f.num_tokens for f in ds.files)
   buckets = max(1, math.ceil((ds.num_instances + total_tokens // 64) * _RECORD.itemsize * 3
                              / (memory_mb * 2**20)))  # sorting a bucket takes ~3x its size
+  if buckets > _MAX_BUCKETS:  # two open files per bucket: stay well inside ulimit -n 1024
+    print(f'note: --memory_mb={memory_mb} would need {buckets} hash buckets; using '
+          f'{_MAX_BUCKETS}, so sorting one takes ~{buckets // _MAX_BUCKETS}x the budget.',
+          file=sys.stderr)
+    buckets = _MAX_BUCKETS
   times_hist = collections.Counter()
   rejected = 0
   docs = 0
