@@ -35,21 +35,25 @@ def get_config() -> ml_collections.ConfigDict:
   d.eos_token_id = 0  # embedded tokenizer's <|endoftext|>
   d.pad_token_id = 1  # embedded tokenizer's <|pad|>
   d.seq_len = 256
-  d.global_batch_size = 16
+  # 8 x 256 for 300 steps beats 16 x 256 for 150 at the same tokens and time:
+  # held-out CE 5.07 vs 5.26 (docs/results/small_run.md); the model is far below
+  # its critical batch size, so twice the updates are worth more than less noise.
+  d.global_batch_size = 8
   d.seed = 34521  # same data seed as the 7B recipe
+  d.validation_batches = 16  # 16 x 8 = the first 128 held-out instances
 
   o = c.opt
   o.lr = 3e-3  # small models tolerate (and need) a larger LR
   o.schedule = 'cosine'
-  o.warmup_steps = 15
-  o.t_max = 150
+  o.warmup_steps = 30
+  o.t_max = 300
   o.final_lr = 3e-4
 
   t = c.train
-  t.steps = 150  # 614k tokens (~0.4 epoch): minutes on two cores
-  t.micro_batch_size = 16
+  t.steps = 300  # 614k tokens (~0.4 epoch): minutes on two cores
+  t.micro_batch_size = 8
   t.log_every = 10
-  t.ckpt_every = 50
+  t.ckpt_every = 100
   t.keep_every = 0
   t.eval_every = 50
   return c
