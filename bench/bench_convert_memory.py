@@ -22,7 +22,7 @@ checked against the written ones, so a fast wrong conversion does not pass.
 
   python bench/bench_convert_memory.py [--layers=1,2] [--dir=/tmp]
 
-Disk: about 3 x 3.3 GB + 3 x 2.4 GB per layer for the largest count, at once.
+Disk: about 2 x (3 x 3.3 GB + 3 x 2.4 GB per layer) for the largest count, at once.
 """
 
 import json
@@ -178,13 +178,14 @@ def main(argv):
                      stdout=subprocess.DEVNULL)
       size = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(src) for n in ns)
       imp = peak_rss([py, 'convert.py', f'--from_olmo_core={src}', f'--to={ckpt}'])
+      shutil.rmtree(src)  # the checks need only our checkpoint and the export
       exp = peak_rss([py, 'convert.py', f'--from_ckpt={ckpt}', f'--to_olmo_core={export}'])
       subprocess.run([py, os.path.abspath(__file__), f'--check={ckpt},{export}', *shape],
                      check=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'))
       rows.append((layers, size, imp, exp))
       print(f'{layers} layer(s): source {size / GB:.2f} GB; peak RSS import {imp / GB:.2f} GB, '
             f'export {exp / GB:.2f} GB', flush=True)
-      for path in (src, ckpt, export):
+      for path in (ckpt, export):
         shutil.rmtree(path)
   finally:
     if not _DIR.value:
