@@ -102,19 +102,33 @@ def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
 
 # Partition spec per parameter name: FSDP shards d_model, tensor-parallel
 # shards heads / MLP hidden / vocab. The leading L axis of layer weights stays
-# whole so the layer scan slices it locally.
+# whole so the layer scan slices it locally. FSDP shards over the context axis
+# too (where the mesh has one): the context devices hold different shards of
+# the weights and Adam moments rather than copies, as torchtitan and
+# OLMo-core shard FSDP over the flattened dp_shard x cp mesh. The embedding
+# table is the exception: XLA's partitioner cannot turn a lookup split on D
+# over both axes into activations split on (batch, time) without replicating
+# the whole [B, T, D] lookup (measured: plan.py's temporaries then grow with
+# the device count), so it stays on 'fsdp' (1.6 GB of weights in all).
+_FSDP = ('fsdp', 'context')
 _PARAM_SPECS = {
     'embedding': P(None, 'fsdp'),  # [V, D]
-    'w_q': P(None, 'fsdp', 'tensor'), 'w_k': P(None, 'fsdp', 'tensor'),
-    'w_v': P(None, 'fsdp', 'tensor'), 'w_o': P(None, 'tensor', 'fsdp'),
-    'w_gate': P(None, 'fsdp', 'tensor'), 'w_up': P(None, 'fsdp', 'tensor'),
-    'w_down': P(None, 'tensor', 'fsdp'), 'w': P('fsdp', 'tensor'),  # lm_head [D, V]
+    'w_q': P(None, _FSDP, 'tensor'), 'w_k': P(None, _FSDP, 'tensor'),
+    'w_v': P(None, _FSDP, 'tensor'), 'w_o': P(None, 'tensor', _FSDP),
+    'w_gate': P(None, _FSDP, 'tensor'), 'w_up': P(None, _FSDP, 'tensor'),
+    'w_down': P(None, 'tensor', _FSDP), 'w': P(_FSDP, 'tensor'),  # lm_head [D, V]
 }
 
 
 def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """Drops axes that do not divide their dimension (small configs on many devices)."""
-  return P(*[a if a is None or shape[i] % mesh.shape[a] == 0 else None
+  """Keeps the axes the mesh has and that divide their dimension (small configs on many
+  devices): ('fsdp', 'context') falls back to 'fsdp' alone, then to replication."""
+  def fit(axes, n: int):
+    axes = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape]
+    while axes and n % int(np.prod([mesh.shape[a] for a in axes])):
+      axes.pop()
+    return tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
+  return P(*[fit(a, shape[i])
              for i, a in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec)))])
 
 

@@ -14,22 +14,28 @@ need) with a zig-zag placement of the queries (docs/long_context.md says why):
 model, so activations are sharded as P(rows, 'context')); RoPE positions
 travel with the tokens, so the model never sees the reordering.
 
-Per device and per (query chunk c, head group), the keys are a buffer of S
-rows ending at the chunk's last token: [(c+1)L - S, (c+1)L), front-padded
-where it starts before 0 (padding keys carry a segment id no query has). S is
-static: the chunk's largest possible causal reach, or L + W - 1 under a
-window W. The queries are then the buffer's last L rows, which is what each
-local implementation computes:
+Per device and per (query chunk c, head group), the xla path and the
+planner's stand-in take a buffer of S keys ending at the chunk's last token:
+[(c+1)L - S, (c+1)L), front-padded where it starts before 0 (padding keys
+carry a segment id no query has). S is static: the chunk's largest possible
+causal reach, or L + W - 1 under a window W. The queries are then the
+buffer's last L rows:
 
   'xla'     query blocks against only the keys their band reaches (xla._attend)
-  'pallas'  the flash kernel over the S-row buffer with the L queries at its end
-            (correct; the rows before them are computed and dropped, see docs)
   stand-in  plan.py's O(S)-memory stand-in with the shapes above
+
+The Pallas kernel instead takes both of a device's chunks at once against the
+whole gathered sequence, told where they sit (`PallasLocal.zigzag`): its block
+schedule, one per device built ahead of time, visits only the kv blocks inside
+each chunk's causal/window band, so no padding or earlier rows are computed and
+a device's work is 1/C of the unsplit layer's (plus the diagonal blocks).
 
 Shapes: B batch, T sequence, L chunk, S key buffer, H/G query/kv heads, K head_dim.
 """
 
 from collections.abc import Callable
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import xla
 from kernels.flash_attention import flash_attention
+from kernels.flash_attention import kv_block_visits
 
 AXIS = 'context'
 # Segment id of front padding: no document has it, so no query attends to it.
@@ -105,21 +112,49 @@ def xla_local(q_BLHK, k_BSGK, v_BSGK, seg_BS, window: int | None, block_q: int |
   return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, l, h, kd)
 
 
-def pallas_local(block_q: int | None, block_kv: int | None, interpret) -> LocalAttention:
-  """The flash kernel over the whole S-row buffer; the queries sit in its last L rows.
+@dataclasses.dataclass(frozen=True)
+class PallasLocal:
+  """The flash kernel as the local attention (interpret: see flash_attention)."""
+  block_q: int | None
+  block_kv: int | None
+  interpret: Any
 
-  The kernel's schedule starts queries and keys at the same row, so the S - L
-  rows before the queries are computed and dropped (their cotangent is zero,
-  so they add nothing to dk/dv). Front-padding rows only see each other.
-  """
-  def local(q_BLHK, k_BSGK, v_BSGK, seg_BS, window):
-    b, l, h, kd = q_BLHK.shape
-    s = k_BSGK.shape[1]
-    q_BSHK = jnp.pad(q_BLHK, ((0, 0), (s - l, 0), (0, 0), (0, 0)))
-    o_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=seg_BS,
-                             block_q=block_q, block_kv=block_kv, interpret=interpret)
-    return o_BSHK[:, s - l:]
-  return local
+  def __call__(self, q_BLHK, k_BSGK, v_BSGK, seg_BS, window):
+    """The buffer form: the L queries are the S-row buffer's last rows (a query offset)."""
+    s, l = k_BSGK.shape[1], q_BLHK.shape[1]
+    return flash_attention(q_BLHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=seg_BS,
+                           block_q=self.block_q, block_kv=self.block_kv,
+                           interpret=self.interpret, q_offset=s - l)
+
+  def zigzag(self, q_B2LHK, k_BTGK, v_BTGK, seg_BT, window, device, cp: int):
+    """Device `device`'s two chunks (layout order) against the natural-order sequence."""
+    chunk_len = k_BTGK.shape[1] // (2 * cp)
+    starts = tuple((r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp))
+    return flash_attention(q_B2LHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=seg_BT,
+                           block_q=self.block_q, block_kv=self.block_kv,
+                           interpret=self.interpret, q_chunk_starts=starts,
+                           q_chunk_row=device)
+
+
+def pallas_local(block_q: int | None, block_kv: int | None, interpret) -> PallasLocal:
+  """The flash kernel as the local attention (kept as the constructor kernels.select calls)."""
+  return PallasLocal(block_q, block_kv, interpret)
+
+
+def pallas_block_visits(seq_len: int, cp: int, block_q: int, block_kv: int,
+                        window: int | None) -> list[int]:
+  """Flash-kernel grid steps per (batch, head) of one layer's forward on each context device."""
+  check_seq_len(seq_len, cp)
+  chunk_len = seq_len // (2 * cp)
+  starts = [(r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp)]
+  if cp == 1:  # the unsplit layer: self-attention over the whole sequence
+    chunk_len, starts = seq_len, [0]
+  # The block sizes flash_attention runs with (shrunk to short chunks, keys padded).
+  block_q = min(block_q, -(-chunk_len // 128) * 128)
+  block_kv = min(block_kv, -(-seq_len // 128) * 128)
+  seq_pad = -(-seq_len // block_kv) * block_kv
+  return [kv_block_visits(seq_pad, block_q, block_kv, window, q_offset=s, q_len=chunk_len)
+          for s in starts]
 
 
 def stand_in_local(q_BLHK, k_BSGK, v_BSGK, seg_BS, window):
@@ -166,7 +201,8 @@ def attention(q_BTHK, k_BTGK, v_BTGK, *, window: int | None, segment_ids_BT,
   heads = 'tensor' if tp > 1 and not (h % tp or g % tp) else None
   qkv = P(rows or None, AXIS, heads, None)
   seg_spec = P(rows or None, AXIS)
-  if segment_ids_BT is None:
+  segments = segment_ids_BT is not None
+  if not segments:  # the buffers still need ids: their front padding is masked by them
     segment_ids_BT = jnp.zeros((b, t), jnp.int32)
 
   def per_device(q_BLHK, k_BLGK, v_BLGK, seg_BL):
@@ -182,6 +218,10 @@ def attention(q_BTHK, k_BTGK, v_BTGK, *, window: int | None, segment_ids_BT,
       g1 = min(g_local, g0 + stride)
       k_BTGK = _natural(jax.lax.all_gather(k_BLGK[:, :, g0:g1], AXIS, axis=1, tiled=True), cp)
       v_BTGK = _natural(jax.lax.all_gather(v_BLGK[:, :, g0:g1], AXIS, axis=1, tiled=True), cp)
+      if hasattr(local, 'zigzag'):  # both chunks in one call, placed by the device index
+        q = q_BLHK[:, :, g0 * reps:g1 * reps]
+        outs.append(local.zigzag(q, k_BTGK, v_BTGK, seg_BT if segments else None, window, r, cp))
+        continue
       slots = []
       for slot, (chunk, last_chunk) in enumerate(((r, cp - 1), (2 * cp - 1 - r, 2 * cp - 1))):
         length = (last_chunk + 1) * chunk_len  # the farthest this slot's chunk can reach

@@ -7,19 +7,21 @@ blocks outside the causal/window band, the `custom_vjp` that ties the forward
 and backward kernels together, and a pure-jnp `reference_attention` for tests.
 
 Shape glossary:
-  B batch, T time (queries and keys: self-attention), H query heads,
+  B batch, T query time, S key time (T == S in self-attention; otherwise the
+  queries are a slice or chunks of the keys' sequence), H query heads,
   G kv heads (H % G == 0), R = H // G query heads per kv head, K head_dim,
   X = H*K and Y = G*K (heads merged into the last axis for the kernels),
-  P visited (q block, kv block) pairs of the schedule, S key time (reference).
+  N key time padded to whole blocks, P visited (q block, kv block) pairs of
+  the schedule, V rows of a query-chunk table (one per context-parallel device).
 
-Mask: query i sees key j iff j <= i, and i - j < window when a window is given
-(W keys including itself; docs/architecture.md), and segment_ids[i] == segment_ids[j]
-when segment ids are given (document masking).
+Mask: a query at position i sees the key at position j iff j <= i, and
+i - j < window when a window is given (W keys including itself;
+docs/architecture.md), and segment_ids[i] == segment_ids[j] when segment ids
+are given (document masking).
 """
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -107,21 +109,32 @@ def _current_chip() -> str:
 
 # ----------------------------------------------------------------------------
 # Block schedule: which (q block, kv block) pairs hold visible entries.
+#
+# Keys sit at positions 0, 1, ... of one sequence. Queries are that sequence's
+# rows too, but not necessarily all of them from 0: a query offset (the last
+# rows of a key buffer), or several chunks at given starts (context
+# parallelism's zig-zag: a device's two chunks against the whole sequence's
+# keys). Each chunk is padded to whole q blocks; q block i of chunk c covers
+# positions starts[c] + i*Q ..., and only its real rows decide what it visits.
 
-def _pair_is_visible(i, j, bq: int, bk: int, window: int | None):
-  """Whether q block i and kv block j share any (query, key) inside the band."""
-  first_q, last_q = i * bq, (i + 1) * bq - 1
-  first_k, last_k = j * bk, (j + 1) * bk - 1
+def _q_block_positions(block_q: int, q_starts, q_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(first, last real) key position of every q block, chunk after chunk."""
+  starts_C1 = np.asarray(q_starts, np.int64).reshape(-1, 1)
+  first_CN = starts_C1 + np.arange(-(-q_len // block_q))[None] * block_q
+  last_CN = np.minimum(first_CN + block_q, starts_C1 + q_len) - 1
+  return first_CN.reshape(-1), last_CN.reshape(-1)
+
+
+def _pair_is_visible(first_q, last_q, first_k, last_k, window: int | None):
+  """Whether a q block and a kv block share any (query, key) inside the band."""
   vis = first_k <= last_q  # else the kv block is in every query's future
   if window is not None:  # the oldest query's band starts at first_q - window + 1
     vis &= last_k > first_q - window
   return vis
 
 
-def _pair_is_full(i, j, bq: int, bk: int, window: int | None):
+def _pair_is_full(first_q, last_q, first_k, last_k, window: int | None):
   """Whether every (query, key) of the pair is visible, so no mask is needed."""
-  first_q, last_q = i * bq, (i + 1) * bq - 1
-  first_k, last_k = j * bk, (j + 1) * bk - 1
   full = last_k <= first_q
   if window is not None:
     full &= last_q - first_k < window
@@ -129,38 +142,91 @@ def _pair_is_full(i, j, bq: int, bk: int, window: int | None):
 
 
 def block_schedule(seq_len: int, block_q: int, block_kv: int, window: int | None,
-                   *, kv_major: bool = False) -> np.ndarray:
+                   *, kv_major: bool = False, q_offset=0, q_len: int | None = None
+                   ) -> np.ndarray:
   """The visited (q block, kv block) pairs and their flags, as int32 [3, P].
 
   Rows: q block index, kv block index, flags (flash_kernels.FIRST/LAST/MASKED).
   Pairs are ordered by q block then kv block (forward, dq), or by kv block then
   q block when kv_major (dk/dv); FIRST/LAST mark where a run sharing the outer
   block starts and ends, i.e. where an accumulator is reset and written out.
+
+  seq_len keys (a multiple of block_kv) at positions 0..seq_len-1. The queries
+  are, by default, the same rows (self-attention). With `q_offset` an int, they
+  are the q_len rows (default seq_len - q_offset) at positions q_offset, ...;
+  with `q_offset` a sequence of chunk starts, they are len(q_offset) chunks of
+  q_len rows, chunk c at positions q_offset[c], ..., each padded to whole q
+  blocks (q block c * ceil(q_len / block_q) + i is chunk c's block i).
   """
-  qblk, kvblk = np.meshgrid(np.arange(seq_len // block_q),
-                            np.arange(seq_len // block_kv), indexing='ij')
+  starts = np.atleast_1d(np.asarray(q_offset, np.int64))
+  if q_len is None:
+    if starts.size != 1:
+      raise ValueError('block_schedule: q_len is required with several query chunks.')
+    q_len = seq_len - int(starts[0])
+  first_q, last_q = _q_block_positions(block_q, starts, q_len)
+  qblk, kvblk = np.meshgrid(np.arange(first_q.size), np.arange(seq_len // block_kv),
+                            indexing='ij')
   if kv_major:
     qblk, kvblk = qblk.T, kvblk.T
-  keep = _pair_is_visible(qblk, kvblk, block_q, block_kv, window)
+  first_k = kvblk * block_kv
+  keep = _pair_is_visible(first_q[qblk], last_q[qblk], first_k, first_k + block_kv - 1, window)
   i_P, j_P = qblk[keep], kvblk[keep]  # row-major: outer block, then inner
   outer_P = j_P if kv_major else i_P
-  starts = np.r_[True, outer_P[1:] != outer_P[:-1]]
-  ends = np.r_[outer_P[1:] != outer_P[:-1], True]
-  flags_P = (flash_kernels.FIRST * starts + flash_kernels.LAST * ends +
-             flash_kernels.MASKED * ~_pair_is_full(i_P, j_P, block_q, block_kv, window))
+  starts_P = np.r_[True, outer_P[1:] != outer_P[:-1]]
+  ends_P = np.r_[outer_P[1:] != outer_P[:-1], True]
+  full_P = _pair_is_full(first_q[i_P], last_q[i_P], j_P * block_kv,
+                         (j_P + 1) * block_kv - 1, window)
+  flags_P = (flash_kernels.FIRST * starts_P + flash_kernels.LAST * ends_P +
+             flash_kernels.MASKED * ~full_P)
   return np.stack([i_P, j_P, flags_P]).astype(np.int32)
 
 
 def kv_block_visits(seq_len: int, block_q: int, block_kv: int,
-                    window: int | None) -> int:
-  """Kernel grid steps per (batch, head) for one attention layer's forward."""
-  return block_schedule(seq_len, block_q, block_kv, window).shape[1]
+                    window: int | None, *, q_offset=0, q_len: int | None = None) -> int:
+  """Kernel grid steps per (batch, head) for one attention layer's forward.
+
+  `q_offset` / `q_len` place the queries as in `block_schedule`.
+  """
+  return block_schedule(seq_len, block_q, block_kv, window, q_offset=q_offset,
+                        q_len=q_len).shape[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_tables(seq_len: int, block_q: int, block_kv: int, window: int | None,
+                     starts_VC: tuple[tuple[int, ...], ...], q_len: int):
+  """The kernels' schedules for every row v of starts_VC (one per device), padded alike.
+
+  Returns (q-major [V, 4, P], kv-major [V, 4, P'], kv blocks visited [V, N] bool).
+  Row 3 is the key position of the pair's q block's first row (the mask's
+  origin). A row with fewer pairs than the longest repeats its last pair
+  flagged SKIP: the grid is static, so it takes a step that does nothing and,
+  with unchanged block indices, moves no data.
+  """
+  tables = ([], [])
+  visited = []
+  for starts in starts_VC:
+    first_q, _ = _q_block_positions(block_q, starts, q_len)
+    for kv_major, table in zip((False, True), tables):
+      sched = block_schedule(seq_len, block_q, block_kv, window, kv_major=kv_major,
+                             q_offset=starts, q_len=q_len)
+      table.append(np.concatenate([sched, first_q[sched[0]][None].astype(np.int32)]))
+    visited.append(np.isin(np.arange(seq_len // block_kv), tables[1][-1][1]))
+
+  def pad(table):
+    longest = max(x.shape[1] for x in table)
+    out = np.repeat(np.stack([x[:, -1:] for x in table]), longest, axis=2)
+    out[:, 2] = flash_kernels.SKIP
+    for v, x in enumerate(table):
+      out[v, :, :x.shape[1]] = x
+    return out
+  return pad(tables[0]), pad(tables[1]), np.stack(visited)
 
 
 # ----------------------------------------------------------------------------
-# custom_vjp around the kernels. Arrays here are [B, T, H*K] / [B, T, G*K]:
+# custom_vjp around the kernels. Arrays here are [B, T, H*K] / [B, N, G*K]:
 # the model's [B, T, H, K] with the last two axes merged (a free reshape), so
 # a head is a K-wide column block and no transpose to [B, H, T, K] is needed.
+# T counts query rows (chunks padded to whole blocks), N key rows.
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -174,10 +240,8 @@ class _Static:
   vmem_limit_bytes: int | None
   interpret: Any
 
-  def kernel_args(self, seq_len: int, kv_major: bool = False) -> dict[str, Any]:
-    sched = block_schedule(seq_len, self.block_q, self.block_kv, self.window,
-                           kv_major=kv_major)
-    return dict(schedule=jnp.asarray(sched), num_heads=self.num_heads,
+  def kernel_args(self) -> dict[str, Any]:
+    return dict(num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 window=self.window, block_q=self.block_q, block_kv=self.block_kv,
                 vmem_limit_bytes=self.vmem_limit_bytes, interpret=self.interpret)
@@ -193,20 +257,23 @@ def _segment_layouts(segment_ids_BT):
   return col, row
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q_BTX, k_BTY, v_BTY, segment_ids_BT, st: _Static):
-  return _flash_fwd(q_BTX, k_BTY, v_BTY, segment_ids_BT, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BTX, k_BNY, v_BNY, segments, plan, st: _Static):
+  return _flash_fwd(q_BTX, k_BNY, v_BNY, segments, plan, st)[0]
 
 
-def _flash_fwd(q_BTX, k_BTY, v_BTY, segment_ids_BT, st: _Static):
-  t = q_BTX.shape[1]
+def _flash_fwd(q_BTX, k_BNY, v_BNY, segments, plan, st: _Static):
+  """segments: (query ids [B, T], key ids [B, N]) or None; plan: (q-major schedule,
+  kv-major schedule, kv rows any pair visits [N] bool or None)."""
+  seg_q, seg_k = (None, None) if segments is None else map(_segment_layouts, segments)
   o_BTX, lse_BHT = flash_kernels.forward(
-      q_BTX, k_BTY, v_BTY, _segment_layouts(segment_ids_BT), **st.kernel_args(t))
-  return o_BTX, (q_BTX, k_BTY, v_BTY, segment_ids_BT, o_BTX, lse_BHT)
+      q_BTX, k_BNY, v_BNY, None if segments is None else (seg_q[0], seg_k[1]),
+      schedule=plan[0], **st.kernel_args())
+  return o_BTX, (q_BTX, k_BNY, v_BNY, segments, plan, o_BTX, lse_BHT)
 
 
 def _flash_bwd(st: _Static, residuals, do_BTX):
-  q_BTX, k_BTY, v_BTY, segment_ids_BT, o_BTX, lse_BHT = residuals
+  q_BTX, k_BNY, v_BNY, segments, plan, o_BTX, lse_BHT = residuals
   b, t, _ = q_BTX.shape
   h, k = st.num_heads, st.head_dim
   # D_i = sum_k dO_ik O_ik = sum_j P_ij dP_ij: the softmax-backward row term,
@@ -215,13 +282,18 @@ def _flash_bwd(st: _Static, residuals, do_BTX):
                       o_BTX.reshape(b, t, h, k).astype(jnp.float32),
                       do_BTX.reshape(b, t, h, k).astype(jnp.float32))
   di_BHT = di_BTH.transpose(0, 2, 1)
-  segments = _segment_layouts(segment_ids_BT)
+  seg_q, seg_k = (None, None) if segments is None else map(_segment_layouts, segments)
   dq_BTX = flash_kernels.backward_dq(
-      q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, **st.kernel_args(t))
-  dk_BTY, dv_BTY = flash_kernels.backward_dkv(
-      q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments,
-      **st.kernel_args(t, kv_major=True))
-  return dq_BTX, dk_BTY, dv_BTY, None
+      q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT,
+      None if segments is None else (seg_q[0], seg_k[1]), schedule=plan[0], **st.kernel_args())
+  dk_BNY, dv_BNY = flash_kernels.backward_dkv(
+      q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT,
+      None if segments is None else (seg_k[0], seg_q[1]), schedule=plan[1],
+      **st.kernel_args())
+  if plan[2] is not None:  # keys no query sees: their kv blocks were never written
+    keep_N1 = plan[2][:, None]
+    dk_BNY, dv_BNY = (jnp.where(keep_N1, x, jnp.zeros((), x.dtype)) for x in (dk_BNY, dv_BNY))
+  return dq_BTX, dk_BNY, dv_BNY, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -231,18 +303,18 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _check_inputs(q_BTHK, k_BTGK, v_BTGK, window, segment_ids_BT, block_q,
+def _check_inputs(q_BTHK, k_BSGK, v_BSGK, window, segment_ids_BS, block_q,
                   block_kv) -> None:
-  if q_BTHK.ndim != 4 or k_BTGK.ndim != 4 or v_BTGK.ndim != 4:
+  if q_BTHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGK.ndim != 4:
     raise ValueError(
-        'flash_attention expects q [B, T, H, K] and k, v [B, T, G, K]; got'
-        f' q {q_BTHK.shape}, k {k_BTGK.shape}, v {v_BTGK.shape}.')
+        'flash_attention expects q [B, T, H, K] and k, v [B, S, G, K]; got'
+        f' q {q_BTHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}.')
   b, t, h, k = q_BTHK.shape
-  if k_BTGK.shape != v_BTGK.shape or k_BTGK.shape[:2] != (b, t) or k_BTGK.shape[3] != k:
+  if k_BSGK.shape != v_BSGK.shape or k_BSGK.shape[0] != b or k_BSGK.shape[3] != k:
     raise ValueError(
-        'flash_attention: k and v must both be [B, T, G, K] with q\'s B, T and K;'
-        f' got q {q_BTHK.shape}, k {k_BTGK.shape}, v {v_BTGK.shape}.')
-  g = k_BTGK.shape[2]
+        'flash_attention: k and v must both be [B, S, G, K] with q\'s B and K;'
+        f' got q {q_BTHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}.')
+  s, g = k_BSGK.shape[1:3]
   if h % g:
     raise ValueError(f'flash_attention: query heads H={h} must be a multiple of'
                      f' kv heads G={g} (GQA).')
@@ -250,18 +322,19 @@ def _check_inputs(q_BTHK, k_BTGK, v_BTGK, window, segment_ids_BT, block_q,
     raise ValueError(
         f'flash_attention: head_dim={k} must be a multiple of'
         f' {flash_kernels.LANES} (TPU lane width); use attention_impl=xla.')
-  if not q_BTHK.dtype == k_BTGK.dtype == v_BTGK.dtype:
+  if not q_BTHK.dtype == k_BSGK.dtype == v_BSGK.dtype:
     raise ValueError('flash_attention: q, k, v must share a dtype; got'
-                     f' {q_BTHK.dtype}, {k_BTGK.dtype}, {v_BTGK.dtype}.')
+                     f' {q_BTHK.dtype}, {k_BSGK.dtype}, {v_BSGK.dtype}.')
   if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
     raise ValueError(f'flash_attention: window must be a positive int or None,'
                      f' got {window!r}.')
-  if segment_ids_BT is not None and (
-      segment_ids_BT.shape != (b, t) or
-      not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer)):
+  if segment_ids_BS is not None and (
+      segment_ids_BS.shape != (b, s) or
+      not jnp.issubdtype(segment_ids_BS.dtype, jnp.integer)):
     raise ValueError(
-        f'flash_attention: segment_ids_BT must be an integer [B, T] = [{b}, {t}]'
-        f' array; got {segment_ids_BT.shape} {segment_ids_BT.dtype}.')
+        f'flash_attention: segment_ids_BT must be an integer [B, S] = [{b}, {s}]'
+        f' array (one id per key position); got {segment_ids_BS.shape}'
+        f' {segment_ids_BS.dtype}.')
   for name, blk in (('block_q', block_q), ('block_kv', block_kv)):
     if blk is not None and (blk < flash_kernels.LANES or blk % flash_kernels.LANES):
       raise ValueError(
@@ -270,52 +343,122 @@ def _check_inputs(q_BTHK, k_BTGK, v_BTGK, window, segment_ids_BT, block_q,
           f' cfg.model.attention_{name}.')
 
 
-def flash_attention(q_BTHK, k_BTGK, v_BTGK, *, window: int | None = None,
+def _query_starts(t: int, s: int, q_offset, q_chunk_starts) -> tuple[tuple[int, ...], ...]:
+  """Validated [V][C] key positions of the query chunks' first rows (see flash_attention)."""
+  if q_chunk_starts is None:
+    if not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
+      raise ValueError(f'flash_attention: q_offset must be an int >= 0, got {q_offset!r}.')
+    starts_VC = np.asarray([[q_offset]], np.int64)
+  else:
+    if q_offset:
+      raise ValueError('flash_attention: give q_offset or q_chunk_starts, not both.')
+    starts_VC = np.asarray(q_chunk_starts)
+    if (starts_VC.ndim != 2 or not starts_VC.size or
+        not np.issubdtype(starts_VC.dtype, np.integer)):
+      raise ValueError('flash_attention: q_chunk_starts must be a non-empty [rows][chunks]'
+                       f' table of ints; got {q_chunk_starts!r}.')
+  chunks = starts_VC.shape[1]
+  if t % chunks:
+    raise ValueError(f'flash_attention: {t} query rows do not split into {chunks} equal'
+                     ' chunks (q_chunk_starts).')
+  if starts_VC.min() < 0 or starts_VC.max() + t // chunks > s:
+    raise ValueError(
+        f'flash_attention: query chunks of {t // chunks} rows starting at key positions'
+        f' {starts_VC.tolist()} must lie inside the {s} keys; fix q_offset /'
+        ' q_chunk_starts or pass the keys they attend to.')
+  return tuple(tuple(int(x) for x in row) for row in starts_VC)
+
+
+def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
                     segment_ids_BT=None, block_q: int | None = None,
-                    block_kv: int | None = None, interpret: Any = False):
+                    block_kv: int | None = None, interpret: Any = False,
+                    q_offset: int = 0, q_chunk_starts=None, q_chunk_row=0):
   """Causal (optionally windowed, segmented) GQA attention via Pallas TPU kernels.
+
+  Keys sit at positions 0..S-1 of a sequence; each query has a position in
+  it too: by default query i is position i (self-attention, T == S).
 
   Args:
     q_BTHK: queries [B, T, H, K]; K a multiple of 128.
-    k_BTGK: keys [B, T, G, K]; query head h reads kv head h // (H // G).
-    v_BTGK: values [B, T, G, K].
-    window: query i sees keys j with i - window < j <= i; None: all j <= i.
-    segment_ids_BT: optional int [B, T]; attend only within equal ids.
+    k_BSGK: keys [B, S, G, K]; query head h reads kv head h // (H // G).
+    v_BSGK: values [B, S, G, K].
+    window: a query at position i sees keys j with i - window < j <= i;
+      None: all j <= i.
+    segment_ids_BT: optional int [B, S], one id per key position; a query
+      reads the id of its own position and attends only within equal ids.
     block_q: rows per q block (multiple of 128); None: the chip's table entry.
     block_kv: rows per kv block (multiple of 128); None: the table entry.
     interpret: False on TPU; True or pltpu.InterpretParams() to run on CPU.
+    q_offset: query i is position q_offset + i (e.g. the last T of S keys).
+    q_chunk_starts: a static [V][C] table of ints instead of q_offset: the T
+      queries are C equal chunks, chunk c at positions q_chunk_starts[v][c] +
+      0, 1, ... with v = q_chunk_row (context parallelism's zig-zag: one row
+      per device).
+    q_chunk_row: an int or a traced int32 scalar picking the row (e.g. the
+      device's index on a mesh axis).
+
+  Only the (q block, kv block) pairs inside the causal/window band of the
+  queries' positions are visited, so a query chunk costs what its own band
+  costs. Keys no query sees get zero gradients.
 
   Returns:
     [B, T, H, K] in q's dtype; softmax scale K**-0.5, f32 softmax statistics
     and f32 matmul accumulation.
   """
-  _check_inputs(q_BTHK, k_BTGK, v_BTGK, window, segment_ids_BT, block_q, block_kv)
+  _check_inputs(q_BTHK, k_BSGK, v_BSGK, window, segment_ids_BT, block_q, block_kv)
   b, t, h, k = q_BTHK.shape
-  g = k_BTGK.shape[2]
+  s, g = k_BSGK.shape[1:3]
+  starts_VC = _query_starts(t, s, q_offset, q_chunk_starts)
+  chunks, chunk_len = len(starts_VC[0]), t // len(starts_VC[0])
   chip = _current_chip()
   if block_q is None or block_kv is None:
     table = default_block_sizes(chip, k)
     block_q = block_q or table.block_q
     block_kv = block_kv or table.block_kv
-  # Short sequences shrink the blocks; ragged ones are padded at the end.
-  # Padded keys lie in every real query's future, so causality hides them; the
-  # padded query rows are sliced away and get zero cotangent.
-  block_q = min(block_q, _round_up(t, flash_kernels.LANES))
-  block_kv = min(block_kv, _round_up(t, flash_kernels.LANES))
-  t_pad = _round_up(t, math.lcm(block_q, block_kv))
+  # Short sequences shrink the blocks; ragged ones are padded at the end (each
+  # query chunk to whole q blocks, the keys to whole kv blocks). Padded keys
+  # lie in every real query's future, so causality hides them; padded query
+  # rows visit nothing of their own and are cut off (zero cotangent).
+  block_q = min(block_q, _round_up(chunk_len, flash_kernels.LANES))
+  block_kv = min(block_kv, _round_up(s, flash_kernels.LANES))
+  chunk_pad, s_pad = _round_up(chunk_len, block_q), _round_up(s, block_kv)
   st = _Static(num_heads=h, num_kv_heads=g, head_dim=k,
                window=None if window is None else int(window),
                block_q=block_q, block_kv=block_kv,
                vmem_limit_bytes=_VMEM_LIMIT_BYTES.get(chip), interpret=interpret)
-  pad = ((0, 0), (0, t_pad - t), (0, 0))
-  q_BTX = jnp.pad(q_BTHK.reshape(b, t, h * k), pad)
-  k_BTY = jnp.pad(k_BTGK.reshape(b, t, g * k), pad)
-  v_BTY = jnp.pad(v_BTGK.reshape(b, t, g * k), pad)
+  fwd_VSP, dkv_VSP, visited_VN = _schedule_tables(s_pad, block_q, block_kv, st.window,
+                                                  starts_VC, chunk_len)
+  pick = lambda x: jnp.asarray(x[0]) if len(x) == 1 else jnp.asarray(x)[q_chunk_row]
+  self_attention = starts_VC == ((0,),) and t == s
+  visited_N = None
+  if not self_attention:  # keys after every query's position are never visited
+    visited_N = jnp.repeat(pick(visited_VN), block_kv)
+  plan = (pick(fwd_VSP), pick(dkv_VSP), visited_N)
+
+  def chunked(x_BT, fill=0):  # [B, T, ...] -> chunks padded to chunk_pad rows, concatenated
+    x = x_BT.reshape(b, chunks, chunk_len, *x_BT.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, chunk_pad - chunk_len)] + [(0, 0)] * (x.ndim - 3),
+                constant_values=fill)
+    return x.reshape(b, chunks * chunk_pad, *x.shape[3:])
+  pad_keys = ((0, 0), (0, s_pad - s), (0, 0))
+  q_BTX = chunked(q_BTHK.reshape(b, t, h * k))
+  k_BNY = jnp.pad(k_BSGK.reshape(b, s, g * k), pad_keys)
+  v_BNY = jnp.pad(v_BSGK.reshape(b, s, g * k), pad_keys)
+  segments = None
   if segment_ids_BT is not None:
-    segment_ids_BT = jnp.pad(segment_ids_BT.astype(jnp.int32),
-                             ((0, 0), (0, t_pad - t)), constant_values=-1)
-  o_BTX = _flash(q_BTX, k_BTY, v_BTY, segment_ids_BT, st)
-  return o_BTX[:, :t].reshape(b, t, h, k)
+    seg_BS = segment_ids_BT.astype(jnp.int32)
+    if self_attention:
+      seg_q_BT = seg_BS
+    else:  # each query reads the id of its position
+      row_C = pick(np.asarray(starts_VC, np.int32))
+      seg_q_BT = jnp.concatenate(
+          [jax.lax.dynamic_slice_in_dim(seg_BS, row_C[c], chunk_len, axis=1)
+           for c in range(chunks)], axis=1)
+    segments = (chunked(seg_q_BT, -1), jnp.pad(seg_BS, ((0, 0), (0, s_pad - s)),
+                                              constant_values=-1))
+  o_BTX = _flash(q_BTX, k_BNY, v_BNY, segments, plan, st)
+  o = o_BTX.reshape(b, chunks, chunk_pad, h, k)[:, :, :chunk_len]
+  return o.reshape(b, t, h, k)
 
 
 def reference_attention(q_BTHK, k_BTGK, v_BTGK, *, window: int | None = None,

@@ -2,15 +2,18 @@
 
 Called by kernels/flash_attention.py, which picks block sizes and builds the
 block schedule. Every kernel walks a flattened list of visited (q block, kv
-block) pairs (`schedule`, int32 [3, P]: q block, kv block, flags; its rows are
-scalar-prefetched into SMEM and steer the BlockSpec index maps): the grid has
+block) pairs (`schedule`, int32 [4, P]: q block, kv block, flags, and the
+key position of the q block's first row; its rows are scalar-prefetched into
+SMEM and steer the BlockSpec index maps and the mask): the grid has
 exactly P steps per (head, batch), so kv blocks outside the causal/window band
 cost neither a DMA nor an empty grid step. Heads lead the grid because they
 are the 'parallel' axis that is always large enough to split across the two
 TensorCores of a megacore chip (v5p); the per-device batch is often 1.
 
 Shape glossary:
-  B batch, T time (padded to whole blocks), H query heads, G kv heads,
+  B batch, T query time and N key time (padded to whole blocks; the queries
+  may be a slice or chunks of the keys' sequence, placed by the schedule's
+  position row), H query heads, G kv heads,
   R = H // G, K head_dim, X = H*K, Y = G*K (heads merged into the last axis;
   head h is the K-wide column block h), Q = block_q, C = block_kv,
   P schedule length, L = 128 lanes, S = 8 sublanes.
@@ -37,6 +40,7 @@ SUBLANES = 8
 FIRST = 1  # first pair of its outer block: reset the accumulators
 LAST = 2  # last pair of its outer block: write the outputs
 MASKED = 4  # the pair straddles the band's edge: apply the element mask
+SKIP = 8  # padding at the end of a schedule shorter than its grid: do nothing
 
 # Finite stand-in for -inf: a fully masked row inside one block then gives
 # exp(0) terms that the next block's rescale exp(MASK - m) wipes to exactly 0,
@@ -86,19 +90,20 @@ def _compiler_params(dims, vmem_limit_bytes):
 
 
 def _run_masked_or_not(flags, has_segments: bool, step):
-  """Runs step(masked) once, taking the mask-free path on interior blocks."""
+  """Runs step(masked) once, taking the mask-free path on interior blocks (not at all on SKIP)."""
+  live = (flags & SKIP) == 0
   if has_segments:  # document boundaries can fall inside any block
-    step(True)
+    pl.when(live)(lambda: step(True))
     return
   masked = (flags & MASKED) != 0
-  pl.when(masked)(lambda: step(True))
-  pl.when(jnp.logical_not(masked))(lambda: step(False))
+  pl.when(jnp.logical_and(live, masked))(lambda: step(True))
+  pl.when(jnp.logical_and(live, jnp.logical_not(masked)))(lambda: step(False))
 
 
 # ----------------------------------------------------------------------------
 # Forward: grid (H, B, P), pairs ordered by q block.
 
-def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, *refs,
+def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, *refs,
                 scale, window,
                 block_q, block_kv, head_dim, has_segments):
   if has_segments:
@@ -106,7 +111,7 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, *refs,
   else:
     o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
   p = pl.program_id(2)
-  qi, kj, flags = qblk_ref[p], kblk_ref[p], flags_ref[p]
+  qpos, kj, flags = qpos_ref[p], kblk_ref[p], flags_ref[p]
 
   @pl.when((flags & FIRST) != 0)
   def _init():
@@ -118,7 +123,7 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, *refs,
     s_QC = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      s_QC = _mask(s_QC, qi * block_q, kj * block_kv, window,
+      s_QC = _mask(s_QC, qpos, kj * block_kv, window,
                    (segq_ref, segk_ref) if has_segments else None)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, jnp.max(s_QC, axis=1, keepdims=True))
@@ -142,16 +147,19 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, *refs,
 def forward(q_BTX, k_BTY, v_BTY, segments, *, schedule, num_heads, num_kv_heads,
             head_dim, window, block_q, block_kv, vmem_limit_bytes,
             interpret: Any):
-  """Returns o [B, T, X] (q's dtype) and the softmax logsumexp [B, H, T] (f32)."""
+  """Returns o [B, T, X] (q's dtype) and the softmax logsumexp [B, H, T] (f32).
+
+  k, v are [B, N, Y]; `segments` is (query ids [B, T, L], key ids [B, S, N]) or None.
+  """
   b, t, _ = q_BTX.shape
   h, r, k = num_heads, num_heads // num_kv_heads, head_dim
   num_pairs = schedule.shape[1]
   has_segments = segments is not None
 
-  def q_map(hi, bi, p, qblk, kblk, flags):
+  def q_map(hi, bi, p, qblk, kblk, flags, qpos):
     return bi, qblk[p], hi
 
-  def kv_map(hi, bi, p, qblk, kblk, flags):
+  def kv_map(hi, bi, p, qblk, kblk, flags, qpos):
     return bi, kblk[p], hi // r
 
   in_specs = [
@@ -163,15 +171,15 @@ def forward(q_BTX, k_BTY, v_BTY, segments, *, schedule, num_heads, num_kv_heads,
   if has_segments:
     in_specs += [
         pl.BlockSpec((None, block_q, LANES),
-                     lambda hi, bi, p, qblk, kblk, fl: (bi, qblk[p], 0)),
+                     lambda hi, bi, p, qblk, kblk, fl, qpos: (bi, qblk[p], 0)),
         pl.BlockSpec((None, SUBLANES, block_kv),
-                     lambda hi, bi, p, qblk, kblk, fl: (bi, 0, kblk[p])),
+                     lambda hi, bi, p, qblk, kblk, fl, qpos: (bi, 0, kblk[p])),
     ]
     inputs += list(segments)
   out_specs = [
       pl.BlockSpec((None, block_q, k), q_map),
       pl.BlockSpec((None, None, block_q, LANES),
-                   lambda hi, bi, p, qblk, kblk, fl: (bi, hi, qblk[p], 0)),
+                   lambda hi, bi, p, qblk, kblk, fl, qpos: (bi, hi, qblk[p], 0)),
   ]
   out_shape = [
       jax.ShapeDtypeStruct(q_BTX.shape, q_BTX.dtype),
@@ -192,7 +200,7 @@ def forward(q_BTX, k_BTY, v_BTY, segments, *, schedule, num_heads, num_kv_heads,
   o_BTX, lse_BHTL = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(h, b, num_pairs), in_specs=in_specs,
+          num_scalar_prefetch=4, grid=(h, b, num_pairs), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       compiler_params=_compiler_params(
@@ -200,7 +208,7 @@ def forward(q_BTX, k_BTY, v_BTY, segments, *, schedule, num_heads, num_kv_heads,
       cost_estimate=cost,
       interpret=interpret,
       name='flash_attention_fwd',
-  )(schedule[0], schedule[1], schedule[2], *inputs)
+  )(schedule[0], schedule[1], schedule[2], schedule[3], *inputs)
   return o_BTX, lse_BHTL[..., 0]
 
 
@@ -208,14 +216,14 @@ def forward(q_BTX, k_BTY, v_BTY, segments, *, schedule, num_heads, num_kv_heads,
 # dq: grid (H, B, P), pairs ordered by q block. Queries run along sublanes, so
 # the per-query logsumexp and D arrive as [1, Q] rows and turn into columns.
 
-def _dq_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
+def _dq_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, di_ref, *refs, scale, window, block_q, block_kv, has_segments):
   if has_segments:
     segq_ref, segk_ref, dq_ref, dq_scr = refs
   else:
     dq_ref, dq_scr = refs
   p = pl.program_id(2)
-  qi, kj, flags = qblk_ref[p], kblk_ref[p], flags_ref[p]
+  qpos, kj, flags = qpos_ref[p], kblk_ref[p], flags_ref[p]
 
   @pl.when((flags & FIRST) != 0)
   def _init():
@@ -226,7 +234,7 @@ def _dq_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
     s_QC = jax.lax.dot_general(q_ref[...], k, _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      s_QC = _mask(s_QC, qi * block_q, kj * block_kv, window,
+      s_QC = _mask(s_QC, qpos, kj * block_kv, window,
                    (segq_ref, segk_ref) if has_segments else None)
     p_QC = jnp.exp(s_QC - jnp.expand_dims(lse_ref[0], -1))
     dp_QC = jax.lax.dot_general(do_ref[...], v_ref[...], _NT,
@@ -251,13 +259,13 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
   num_pairs = schedule.shape[1]
   has_segments = segments is not None
 
-  def q_map(hi, bi, p, qblk, kblk, flags):
+  def q_map(hi, bi, p, qblk, kblk, flags, qpos):
     return bi, qblk[p], hi
 
-  def kv_map(hi, bi, p, qblk, kblk, flags):
+  def kv_map(hi, bi, p, qblk, kblk, flags, qpos):
     return bi, kblk[p], hi // r
 
-  def stat_map(hi, bi, p, qblk, kblk, flags):
+  def stat_map(hi, bi, p, qblk, kblk, flags, qpos):
     return bi, hi, 0, qblk[p]
 
   in_specs = [
@@ -272,9 +280,9 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
   if has_segments:
     in_specs += [
         pl.BlockSpec((None, block_q, LANES),
-                     lambda hi, bi, p, qblk, kblk, fl: (bi, qblk[p], 0)),
+                     lambda hi, bi, p, qblk, kblk, fl, qpos: (bi, qblk[p], 0)),
         pl.BlockSpec((None, SUBLANES, block_kv),
-                     lambda hi, bi, p, qblk, kblk, fl: (bi, 0, kblk[p])),
+                     lambda hi, bi, p, qblk, kblk, fl, qpos: (bi, 0, kblk[p])),
     ]
     inputs += list(segments)
   steps = b * h * num_pairs
@@ -289,7 +297,7 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(h, b, num_pairs), in_specs=in_specs,
+          num_scalar_prefetch=4, grid=(h, b, num_pairs), in_specs=in_specs,
           out_specs=pl.BlockSpec((None, block_q, k), q_map),
           scratch_shapes=[pltpu.VMEM((block_q, k), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct(q_BTX.shape, q_BTX.dtype),
@@ -298,7 +306,7 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
       cost_estimate=cost,
       interpret=interpret,
       name='flash_attention_dq',
-  )(schedule[0], schedule[1], schedule[2], *inputs)
+  )(schedule[0], schedule[1], schedule[2], schedule[3], *inputs)
 
 
 # ----------------------------------------------------------------------------
@@ -308,7 +316,7 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
 # transposed logits s^T [C, Q] (keys along sublanes): per-query statistics are
 # then [1, Q] rows and every matmul is a plain a @ b or a @ b.T.
 
-def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
+def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do_ref,
                 lse_ref, di_ref, *refs, scale, window, block_q, block_kv,
                 heads_per_kv, has_segments):
   if has_segments:
@@ -316,7 +324,7 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
   else:
     dk_ref, dv_ref, dk_scr, dv_scr = refs
   p, rep = pl.program_id(2), pl.program_id(3)
-  qi, kj, flags = qblk_ref[p], kblk_ref[p], flags_ref[p]
+  qpos, kj, flags = qpos_ref[p], kblk_ref[p], flags_ref[p]
 
   @pl.when(jnp.logical_and((flags & FIRST) != 0, rep == 0))
   def _init():
@@ -328,7 +336,7 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
     s_CQ = jax.lax.dot_general(k_ref[...], q, _NT,
                                preferred_element_type=jnp.float32) * scale
     if masked:
-      s_CQ = _mask(s_CQ, kj * block_kv, qi * block_q, window,
+      s_CQ = _mask(s_CQ, kj * block_kv, qpos, window,
                    (segk_ref, segq_ref) if has_segments else None, keys_on_rows=True)
     p_CQ = jnp.exp(s_CQ - lse_ref[:1, :])
     dv_scr[...] += jax.lax.dot_general(p_CQ.astype(do.dtype), do, _NN,
@@ -350,19 +358,23 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, q_ref, k_ref, v_ref, do_ref,
 def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
                  schedule, num_heads, num_kv_heads, head_dim, window, block_q,
                  block_kv, vmem_limit_bytes, interpret: Any):
-  """Returns dk, dv [B, T, Y] in k's dtype; schedule must be kv-major."""
+  """Returns dk, dv [B, N, Y] in k's dtype; schedule must be kv-major.
+
+  `segments` is (key ids [B, N, L], query ids [B, S, T]) or None. kv blocks
+  that no schedule pair visits are not written (the caller zeroes them).
+  """
   b, t, _ = q_BTX.shape
   g, r, k = num_kv_heads, num_heads // num_kv_heads, head_dim
   num_pairs = schedule.shape[1]
   has_segments = segments is not None
 
-  def q_map(gi, bi, p, ri, qblk, kblk, flags):
+  def q_map(gi, bi, p, ri, qblk, kblk, flags, qpos):
     return bi, qblk[p], gi * r + ri
 
-  def kv_map(gi, bi, p, ri, qblk, kblk, flags):
+  def kv_map(gi, bi, p, ri, qblk, kblk, flags, qpos):
     return bi, kblk[p], gi
 
-  def stat_map(gi, bi, p, ri, qblk, kblk, flags):
+  def stat_map(gi, bi, p, ri, qblk, kblk, flags, qpos):
     return bi, gi * r + ri, 0, qblk[p]
 
   # Per-query statistics as [B, H, S, T]: sublane-replicated rows.
@@ -382,9 +394,9 @@ def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
     seg_col, seg_row = segments
     in_specs += [
         pl.BlockSpec((None, block_kv, LANES),
-                     lambda gi, bi, p, ri, qblk, kblk, fl: (bi, kblk[p], 0)),
+                     lambda gi, bi, p, ri, qblk, kblk, fl, qpos: (bi, kblk[p], 0)),
         pl.BlockSpec((None, SUBLANES, block_q),
-                     lambda gi, bi, p, ri, qblk, kblk, fl: (bi, 0, qblk[p])),
+                     lambda gi, bi, p, ri, qblk, kblk, fl, qpos: (bi, 0, qblk[p])),
     ]
     inputs += [seg_col, seg_row]
   steps = b * num_heads * num_pairs
@@ -400,7 +412,7 @@ def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(g, b, num_pairs, r), in_specs=in_specs,
+          num_scalar_prefetch=4, grid=(g, b, num_pairs, r), in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, block_kv, k), kv_map),
                      pl.BlockSpec((None, block_kv, k), kv_map)],
           scratch_shapes=[pltpu.VMEM((block_kv, k), jnp.float32),
@@ -411,4 +423,4 @@ def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
       cost_estimate=cost,
       interpret=interpret,
       name='flash_attention_dkv',
-  )(schedule[0], schedule[1], schedule[2], *inputs)
+  )(schedule[0], schedule[1], schedule[2], schedule[3], *inputs)

@@ -18,6 +18,7 @@ import pytest
 import attention_oracle
 import model
 import optim
+import kernels
 import train
 from configs import small
 from kernels import context_parallel
@@ -166,18 +167,72 @@ def test_activation_memory_falls_with_the_cp_degree():
   assert temps[2] < 0.8 * temps[1] and temps[4] < 0.8 * temps[2] and temps[8] < 0.8 * temps[4], temps
 
 
+# --- The train state over the context axis ---------------------------------------
+
+
+def _allocated_bytes(tree, device) -> int:
+  return sum(x.data.nbytes for leaf in jax.tree.leaves(tree) for x in leaf.addressable_shards
+             if x.device == device)
+
+
+def test_state_is_sharded_over_the_context_axis_and_restores_onto_any_mesh(tmp_path):
+  """Weights and Adam moments shard over ('fsdp', 'context'): per-device state falls by the
+  CP degree (train.state_bytes equals what a real state allocates), and a checkpoint saved
+  on a CP mesh restores bit-exactly onto meshes with and without a context axis."""
+  import checkpoint
+  cfg = _config()
+  cfg.model.d_model, cfg.model.mlp_hidden = 64, 128  # d_model splits 8 ways
+  sizes = {}
+  for fsdp, cp in ((2, 1), (2, 2), (2, 4)):
+    shape = {'data': 1, 'fsdp': fsdp, 'tensor': 1} | ({'context': cp} if cp > 1 else {})
+    sizes[fsdp, cp] = train.state_bytes(cfg, shape)
+  # Independently: every projection and the lm_head hold 1 / (fsdp * cp) of themselves; the
+  # embedding table (kept on 'fsdp', see train._PARAM_SPECS) and the norms what they held.
+  names = ('w_q', 'w_k', 'w_v', 'w_o', 'w_gate', 'w_up', 'w_down', 'w')
+  matrices = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(
+      train.abstract_state(cfg).params) if path[-1].key in names)
+  for cp in (2, 4):
+    saved = sizes[2, 1][0] - sizes[2, cp][0]
+    assert saved == matrices // 2 - matrices // (2 * cp), (cp, sizes)
+    assert sizes[2, 1][1] - sizes[2, cp][1] == 2 * saved  # Adam mu and nu alike
+  mesh = _mesh(cfg, 4, fsdp=2)
+  state, shardings = train.create_state(cfg, mesh, jax.random.key(3))
+  assert shardings.params['attention']['w_q'].spec[1] == ('fsdp', 'context')
+  params, opt = train.state_bytes(cfg, dict(mesh.shape))
+  for device in mesh.devices.flat:
+    assert _allocated_bytes(state.params, device) == params
+    assert _allocated_bytes(state.opt_state, device) == opt
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  ckpt.save(1, state)
+  ckpt.wait()
+  want = jax.device_get(state)
+  for fsdp, cp in ((8, 1), (1, 8), (4, 2)):
+    restored, _ = checkpoint.restore_latest_good(
+        str(tmp_path), train.abstract_state(cfg, _mesh(cfg, cp, fsdp=fsdp)))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), want)
+
+
 # --- The pieces -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize('cp,window,head_stride,docs,impl', [
     (4, None, 1, True, 'xla'), (8, 5, 2, True, 'xla'), (2, 40, 4, False, 'xla'),
-    (4, 12, 1, True, 'pallas')])
+    (4, 12, 1, True, 'pallas'), (8, None, 2, False, 'pallas'), (2, 20, 1, True, 'pallas-k256'),
+    (2, None, 2, True, 'pallas-buffers')])
 def test_attention_and_its_gradients_equal_the_float64_oracle(cp, window, head_stride, docs,
                                                               impl):
-  """context_parallel.attention alone, in the zig-zag layout, vs attention_np."""
-  b, t, h, g, d = 2, 64, 4, 2, (8 if impl == 'xla' else 128)
+  """context_parallel.attention alone, in the zig-zag layout, vs attention_np.
+
+  'pallas' runs both chunks of a device in one kernel call placed by its
+  device index (PallasLocal.zigzag); 'pallas-buffers' the kernel's buffer form
+  (a static query offset), as any other local attention is called.
+  """
+  b, t, h, g = 2, 64, 4, 2
+  d = {'xla': 8, 'pallas-k256': 256}.get(impl, 128)
   local = (context_parallel.xla_local if impl == 'xla' else
            context_parallel.pallas_local(None, None, interpret=True))
+  if impl == 'pallas-buffers':
+    local = lambda *args: context_parallel.pallas_local(None, None, interpret=True)(*args)
   rng = np.random.default_rng(cp)
   q, do = (rng.normal(size=(b, t, h, d)).astype(np.float32) for _ in range(2))
   k, v = (rng.normal(size=(b, t, g, d)).astype(np.float32) for _ in range(2))
@@ -202,6 +257,23 @@ def test_attention_and_its_gradients_equal_the_float64_oracle(cp, window, head_s
   np.testing.assert_allclose(back(o), want_o, atol=2e-5)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(back(got), want, atol=5e-5)
+
+
+@pytest.mark.parametrize('seq_len,block', [(65536, 512), (8192, 256), (4096, 128)])
+def test_pallas_work_per_device_falls_with_the_cp_degree(seq_len, block):
+  """The flash kernel's grid steps per device (its block-visit count) under CP: 1/C of the
+  unsplit layer's on full-attention layers, the same on every device, and near 1/C under a
+  window (the grid is the busiest device's)."""
+  full = context_parallel.pallas_block_visits(seq_len, 1, block, block, None)[0]
+  window = seq_len // 16
+  sliding = context_parallel.pallas_block_visits(seq_len, 1, block, block, window)[0]
+  for cp in (2, 4, 8):
+    per_device = context_parallel.pallas_block_visits(seq_len, cp, block, block, None)
+    assert per_device == [full // cp] * cp  # zig-zag: equal, and no pair computed twice
+    busiest = max(context_parallel.pallas_block_visits(seq_len, cp, block, block, window))
+    assert busiest * cp <= 1.1 * sliding, (cp, busiest, sliding)
+  # Against the kernel's own schedule of the unsplit layer: the same pairs, split over devices.
+  assert full == kernels.kv_block_visits(seq_len, block, block, None)
 
 
 @pytest.mark.parametrize('seq_len,cp', [(16, 2), (48, 3), (64, 8)])

@@ -175,6 +175,125 @@ def test_window_layer_visits_at_most_three_quarters_plus_diagonal(chip, head_dim
   assert window < causal.shape[1]
 
 
+# Queries at an offset or in chunks (context parallelism): the schedule follows
+# their positions, so a chunk visits only its own band's kv blocks.
+
+def _chunk_mask(seq_len, window, starts, q_len, block_q):
+  """[T', S] element mask of the kernel's padded query rows (chunk c's row i at starts[c] + i;
+  padding rows see nothing), from attention_oracle's mask on the whole sequence."""
+  full = mask_np(seq_len, window, None)[0]
+  rows = []
+  for start in starts:
+    chunk = full[start:start + q_len]
+    pad = -(-q_len // block_q) * block_q - q_len
+    rows.append(np.concatenate([chunk, np.zeros((pad, seq_len), bool)]))
+  return np.concatenate(rows)
+
+
+@pytest.mark.parametrize('seq_len,bq,bk,window,starts,q_len', [
+    (1024, 128, 128, None, (384,), 640), (1024, 128, 256, 200, (300,), 500),
+    (1024, 256, 128, 129, (0, 896), 128), (2048, 128, 128, None, (128, 1792), 128),
+    (2048, 128, 256, 300, (512, 1024, 1536), 64), (1024, 128, 128, 1, (5, 700), 100),
+])
+def test_offset_schedule_visits_exactly_the_blocks_with_visible_entries(
+    seq_len, bq, bk, window, starts, q_len):
+  mask = _chunk_mask(seq_len, window, starts, q_len, bq)
+  blocks = mask.reshape(mask.shape[0] // bq, bq, seq_len // bk, bk)
+  any_QC = blocks.any((1, 3))
+  # MASKED is needed unless every real row sees every key of the pair (padding rows are free).
+  real = _chunk_mask(seq_len, None, starts, q_len, bq).any(1).reshape(-1, bq)
+  all_QC = (blocks | ~real[:, :, None, None]).all((1, 3))
+  for kv_major in (False, True):
+    qb, kb, flags = fa.block_schedule(seq_len, bq, bk, window, kv_major=kv_major,
+                                      q_offset=starts if len(starts) > 1 else starts[0],
+                                      q_len=q_len)
+    expected = sorted(zip(*np.nonzero(any_QC)),
+                      key=(lambda ij: (ij[1], ij[0])) if kv_major else None)
+    assert list(zip(qb.tolist(), kb.tolist())) == [tuple(int(x) for x in ij) for ij in expected]
+    np.testing.assert_array_equal((flags & fa.flash_kernels.MASKED) != 0, ~all_QC[qb, kb])
+  assert fa.kv_block_visits(seq_len, bq, bk, window, q_offset=starts, q_len=q_len) == \
+      np.count_nonzero(any_QC)
+
+
+def test_schedule_tables_pad_shorter_rows_with_skips():
+  """One schedule per device row, padded to the longest with SKIP steps that repeat the last pair."""
+  starts_VC = ((0, 896), (128, 768), (256, 640))
+  fwd, dkv, visited = fa._schedule_tables(1024, 128, 128, 200, starts_VC, 128)
+  for v, starts in enumerate(starts_VC):
+    for table, kv_major in ((fwd, False), (dkv, True)):
+      want = fa.block_schedule(1024, 128, 128, 200, kv_major=kv_major, q_offset=starts, q_len=128)
+      n = want.shape[1]
+      np.testing.assert_array_equal(table[v, :3, :n], want)
+      np.testing.assert_array_equal(table[v, 2, n:], fa.flash_kernels.SKIP)
+      np.testing.assert_array_equal(table[v, :2, n:], np.broadcast_to(want[:2, -1:], (2, table.shape[2] - n)))
+      # Row 3: the key position of the q block's first row.
+      np.testing.assert_array_equal(table[v, 3, :n], np.asarray(starts)[want[0]])
+    np.testing.assert_array_equal(np.nonzero(visited[v])[0], np.unique(want[1]))
+
+
+def _embedded_oracle(q_pos, q, k, v, do, window, seg):
+  """attention_np for queries at positions q_pos of the keys' sequence: the whole sequence's
+  oracle with zero cotangent on the other rows (they then add nothing to dk, dv)."""
+  b, s = k.shape[:2]
+  q_full = np.zeros((b, s) + q.shape[2:], np.float64)
+  do_full = np.zeros_like(q_full)
+  q_full[:, q_pos], do_full[:, q_pos] = np.asarray(q), np.asarray(do)
+  o, (dq, dk, dv) = attention_np(q_full, k, v, do_full, window,
+                                 None if seg is None else np.asarray(seg))
+  return o[:, q_pos], (dq[:, q_pos], dk, dv)
+
+
+# (S, H, G, K, window, segments, layout): layout is an int q_offset or a [V][C] chunk table
+# whose every row is run through one jitted function with the row traced.
+OFFSET_CASES = [
+    pytest.param(512, 4, 2, 128, None, False, 200, id='offset-unaligned-causal'),
+    pytest.param(512, 4, 1, 256, 100, True, 256, id='offset-window-segments-gqa4-k256'),
+    pytest.param(512, 4, 2, 128, None, True, ((0, 384), (128, 256)), id='zigzag2-causal-docs'),
+    pytest.param(512, 8, 2, 128, 48, False, ((0, 448), (64, 384), (128, 320), (192, 256)),
+                 id='zigzag4-chunk<block-window'),
+    pytest.param(512, 2, 1, 256, 300, True, ((64, 320), (192, 384)), id='chunks-window>block-k256'),
+]
+
+
+@pytest.mark.parametrize('s,h,g,d,window,segments,layout', OFFSET_CASES)
+def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segments, layout):
+  q_full, k, v, do_full, seg = _inputs(5, 1, s, h, g, d, jnp.float32, segments)
+  table = ((layout,),) if isinstance(layout, int) else layout
+  chunk = s - layout if isinstance(layout, int) else s // (2 * len(table))
+  kwargs = (dict(q_offset=layout) if isinstance(layout, int) else dict(q_chunk_starts=layout))
+
+  @jax.jit
+  def run(q, k, v, do, row):
+    f = lambda q, k, v: kernels.flash_attention(
+        q, k, v, window=window, segment_ids_BT=seg, block_q=128, block_kv=128,
+        interpret=pltpu.InterpretParams(), q_chunk_row=row, **kwargs)
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, vjp(do)
+
+  for row, starts in enumerate(table):
+    q_pos = np.concatenate([np.arange(x, x + chunk) for x in starts])
+    q, do = q_full[:, q_pos], do_full[:, q_pos]
+    o, grads = run(q, k, v, do, jnp.int32(row))
+    o_ref, grads_ref = _embedded_oracle(q_pos, q, k, v, do, window, seg)
+    assert o.shape == q.shape and _rel_err(o, o_ref) < 1e-5, row
+    for name, x, ref in zip(('dq', 'dk', 'dv'), grads, grads_ref):
+      assert _rel_err(x, ref) < 1e-5, (row, name)
+
+
+def test_query_layout_errors_are_clear():
+  q = jnp.zeros((1, 256, 2, 128))
+  kv = jnp.zeros((1, 384, 1, 128))
+  with pytest.raises(ValueError, match='inside the 384 keys'):
+    kernels.flash_attention(q, kv, kv, q_offset=200, interpret=True)
+  with pytest.raises(ValueError, match='equal chunks'):
+    kernels.flash_attention(q, kv, kv, q_chunk_starts=((0, 1, 2),), interpret=True)
+  with pytest.raises(ValueError, match='not both'):
+    kernels.flash_attention(q, kv, kv, q_offset=1, q_chunk_starts=((0, 128),), interpret=True)
+  with pytest.raises(ValueError, match=r'\[B, S\] = \[1, 384\]'):
+    kernels.flash_attention(q, kv, kv, q_offset=128, interpret=True,
+                            segment_ids_BT=jnp.zeros((1, 256), jnp.int32))
+
+
 def test_block_table():
   for (chip, head_dim), (bq, bk) in fa._BLOCK_TABLE.items():
     assert bq % 128 == 0 and bk % 128 == 0 and 8192 % bq == 0 and 8192 % bk == 0
