@@ -216,7 +216,7 @@ def test_offset_schedule_visits_exactly_the_blocks_with_visible_entries(
 
 
 def test_schedule_tables_pad_shorter_rows_with_skips():
-  """One schedule per device row, padded to the longest with SKIP steps that repeat the last pair."""
+  """One schedule per device row, padded to the longest with SKIP steps repeating the last pair."""
   starts_VC = ((0, 896), (128, 768), (256, 640))
   fwd, dkv, visited = fa._schedule_tables(1024, 128, 128, 200, starts_VC, 128)
   for v, starts in enumerate(starts_VC):
@@ -225,7 +225,8 @@ def test_schedule_tables_pad_shorter_rows_with_skips():
       n = want.shape[1]
       np.testing.assert_array_equal(table[v, :3, :n], want)
       np.testing.assert_array_equal(table[v, 2, n:], fa.flash_kernels.SKIP)
-      np.testing.assert_array_equal(table[v, :2, n:], np.broadcast_to(want[:2, -1:], (2, table.shape[2] - n)))
+      np.testing.assert_array_equal(table[v, :2, n:],
+                                    np.broadcast_to(want[:2, -1:], (2, table.shape[2] - n)))
       # Row 3: the key position of the q block's first row.
       np.testing.assert_array_equal(table[v, 3, :n], np.asarray(starts)[want[0]])
     np.testing.assert_array_equal(np.nonzero(visited[v])[0], np.unique(want[1]))
