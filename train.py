@@ -217,8 +217,8 @@ def check_state_fits(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
       f'optimizer state {gb(opt)}) on mesh {dict(mesh.shape)} of {mesh.size} '
       f'{mesh.devices.flat[0].platform} devices, but a device has {gb(memory[0])} '
       f'({memory[1]}); activations need more on top. Run on more devices (the state is '
-      'sharded over train.mesh_fsdp), and size the run first with: python plan.py '
-      '--config=CONFIG --devices=N.')
+      'sharded over train.mesh_fsdp x train.mesh_context), and size the run first with: '
+      'python plan.py --config=CONFIG --devices=N.')
 
 
 def load_init(cfg: ml_collections.ConfigDict, mesh: Mesh, state: TrainState,

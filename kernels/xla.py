@@ -17,8 +17,21 @@ Shapes: B batch, T queries, S keys, H query heads, G kv heads, R = H // G,
 K head_dim, I/O a matmul's input/output features.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
+
+# XLA:CPU's concurrency-optimized scheduler orders a program so that
+# independent ops run at the same time. On a CPU each matmul already uses
+# every core, so overlapped matmuls only contend for them and their caches:
+# without it the bench_train step is ~6% faster, with identical results
+# (docs/results/cpu_speed.md). XLA reads its flags when the backend starts, so
+# this holds for programs that import this module first (train.py, bench/);
+# an XLA_FLAGS that already sets it wins.
+_SCHEDULER_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler'
+if _SCHEDULER_FLAG not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_SCHEDULER_FLAG}=false".strip()
 
 
 @jax.custom_vjp

@@ -129,8 +129,8 @@ def test_float32_lr_within_1e6_of_float64_over_the_whole_range(name):
   if name == 'olmo3_stitched':
     edges += [cfg.part2_start, cfg.part2_warmup, cfg.part2_t_max]
   end = max(edges) + 64
-  stride = 1 if name == 'linear' else 97
-  steps = np.array(sorted(set(range(0, end, stride)) | {
+  every = set(range(0, cfg.t_max + 64)) if name == 'linear' else set()  # the stage-2 decay
+  steps = np.array(sorted(every | set(range(0, end, 97)) | {
       min(max(e + d, 0), end) for e in edges for d in range(-64, 65)}))
   lr = optim.lr_schedule(cfg)
   float64 = lr(steps)
