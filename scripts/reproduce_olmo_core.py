@@ -65,6 +65,7 @@ sys.path.insert(0, REPO)
 
 import convert  # noqa: E402  (after the repository root is importable)
 import data  # noqa: E402
+import olmo_core_ckpt  # noqa: E402
 from configs import tiny_repro  # noqa: E402
 from evaluation.compare import compare_logits  # noqa: E402
 
@@ -185,17 +186,8 @@ def olmo_core_model(cfg, init_seed: int):
 
 # --- Weights ------------------------------------------------------------------------------
 
-# OLMo-core name in block i -> (our module, our name); torch Linear weights are [out, in].
-_BLOCK = {
-    'attention.w_q.weight': ('attention', 'w_q'), 'attention.w_k.weight': ('attention', 'w_k'),
-    'attention.w_v.weight': ('attention', 'w_v'), 'attention.w_out.weight': ('attention', 'w_o'),
-    'attention.q_norm.weight': ('attention', 'q_norm'),
-    'attention.k_norm.weight': ('attention', 'k_norm'),
-    'attention_norm.weight': ('attention_norm', 'scale'),
-    'feed_forward.w1.weight': ('mlp', 'w_gate'), 'feed_forward.w3.weight': ('mlp', 'w_up'),
-    'feed_forward.w2.weight': ('mlp', 'w_down'),
-    'feed_forward_norm.weight': ('mlp_norm', 'scale'),
-}
+# OLMo-core name in block i -> (our module, our name): olmo_core_ckpt's table.
+_BLOCK = olmo_core_ckpt.BLOCK
 
 
 def olmo_core_to_params(state: dict, num_layers: int) -> dict:
