@@ -266,7 +266,7 @@ def load_hf(directory: str, *, pad_vocab_to: int = 128, dtype=np.float32
   config_path = os.path.join(directory, 'config.json')
   if not os.path.exists(config_path):
     raise FileNotFoundError(f'{config_path} not found; is {directory} an HF model directory?')
-  cfg = model_config_from_hf(_read_json(config_path), pad_vocab_to)
+  cfg = model_config_from_hf(read_json(config_path), pad_vocab_to)
   files = _weight_files(directory)
   shapes = _shapes(cfg)
   expected = set(GLOBAL_TENSORS) | {f'model.layers.{i}.{name}'
@@ -406,10 +406,10 @@ def load_checkpoint_params(directory: str, step: int | None = None
 
 def read_hf_source(directory: str) -> dict:
   """What a checkpoint keeps of its HF source, so that the export can write it back."""
-  config = _read_json(os.path.join(directory, 'config.json'))
+  config = read_json(os.path.join(directory, 'config.json'))
   generation = os.path.join(directory, 'generation_config.json')
   return {'path': os.path.abspath(directory), 'config': config,
-          'generation_config': _read_json(generation) if os.path.exists(generation) else None,
+          'generation_config': read_json(generation) if os.path.exists(generation) else None,
           'vocab_size': config['vocab_size'], 'eos_token_id': config.get('eos_token_id'),
           'pad_token_id': config.get('pad_token_id'), 'bos_token_id': config.get('bos_token_id'),
           'dtype': config.get('dtype') or config.get('torch_dtype'),
@@ -589,12 +589,14 @@ def _write_tokenizer(path: str, config: dict, out: str) -> None:
 # --- Files ---------------------------------------------------------------------------
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str, error: type[Exception] = ConversionError,
+              fix: str = 'restore the original file') -> dict:
+  """A JSON file's content; malformed JSON raises `error` naming the file and the fix."""
   try:
     with open(path) as f:
       return json.load(f)
   except json.JSONDecodeError as e:
-    raise ConversionError(f'{path} is not valid JSON ({e}); restore the original file.') from e
+    raise error(f'{path} is not valid JSON ({e}); {fix}.') from e
 
 
 def _write_json(path: str, content: dict) -> None:

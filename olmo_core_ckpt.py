@@ -243,11 +243,7 @@ class Reader:
 
 
 def _read_json(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise OlmoCoreCheckpointError(f'{path} is not valid JSON ({e}); download it again.') from e
+  return convert.read_json(path, OlmoCoreCheckpointError, 'download it again')
 
 
 def read_trainer_state(step_dir: str) -> dict | None:

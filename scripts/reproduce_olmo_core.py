@@ -145,14 +145,18 @@ def run_overrides(steps: int, warmup: int, extra: dict | None = None) -> dict:
 
 def repro_config(overrides: dict):
   """configs/tiny_repro.py with dotted overrides (scalars), as train.py's --config.X=Y does."""
-  cfg = tiny_repro.get_config()
+  return apply_overrides(tiny_repro.get_config(), overrides, 'configs/tiny_repro.py')
+
+
+def apply_overrides(cfg, overrides: dict, source: str):
+  """`cfg` with dotted overrides (scalars) set in place; an unknown field is an error."""
   for dotted, value in overrides.items():
     *groups, field = dotted.split('.')
     node = cfg
     for g in groups:
       node = node[g]
     if field not in node:
-      raise ValueError(f'override {dotted}: configs/tiny_repro.py has no such field.')
+      raise ValueError(f'override {dotted}: {source} has no such field.')
     node[field] = value
   return cfg
 

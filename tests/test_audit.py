@@ -5,7 +5,6 @@ find_periodic_sequences / InstanceFilterConfig (n-gram statistics), and byte
 comparisons of the token files (identical instances, repeated documents).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from olmo_core.data.utils import find_periodic_sequences
 import pytest
 
 import data
+from script_module import load_script
 import guards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,14 +24,7 @@ SCRIPT = os.path.join(REPO, 'scripts', 'audit_data.py')
 EOS, VOCAB, T = 0, 1000, 16
 
 
-def _module():
-  spec = importlib.util.spec_from_file_location('audit_data', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-audit = _module()
+audit = load_script('audit_data')
 
 
 def _cfg(B=8, seed=7):

@@ -18,6 +18,7 @@ from olmo_core.data.utils import get_document_lengths, get_labels
 from tokenizers import Tokenizer
 
 import data
+from script_module import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, EOS, PAD = 100278, 100257, 100277  # dolma2; OLMo-core's collator checks ids < vocab
@@ -60,6 +61,19 @@ def olmo_loader(ods, B, T, seed, work_dir, world=1, rank=0):
   return NumpyFSLDataLoader.wrap_numpy_dataset(
       ods, global_batch_size=B * T, seed=seed, work_dir=work_dir, dp_world_size=world,
       dp_rank=rank, collator=DataCollator(pad_token_id=PAD, vocab_size=VOCAB))
+
+
+def olmo_resumed(new_loader, k):
+  """(loader, state): OLMo-core's loader restarted from its own state after k batches of epoch 1."""
+  dl = new_loader()
+  dl.reshuffle(epoch=1)
+  for _, _ in zip(range(k), dl):
+    pass
+  state = dl.state_dict()
+  resumed = new_loader()
+  resumed.load_state_dict(state)
+  resumed.reshuffle(epoch=state['epoch'])
+  return resumed, state
 
 
 def olmo_epoch(ods, B, T, seed, epoch, work_dir, world=1, rank=0):
@@ -275,14 +289,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(a, b)
   # OLMo-core resumed from its own state after k batches gives the same batches.
   ods = olmo_ds(paths, T, tmp_path / 'olmo')
-  dl = olmo_loader(ods, B, T, seed, tmp_path / 'olmo')
-  dl.reshuffle(epoch=1)
-  for _, _ in zip(range(k), dl):
-    pass
-  olmo_state = dl.state_dict()
-  dl2 = olmo_loader(ods, B, T, seed, tmp_path / 'olmo')
-  dl2.load_state_dict(olmo_state)
-  dl2.reshuffle(epoch=olmo_state['epoch'])
+  dl2, _ = olmo_resumed(lambda: olmo_loader(ods, B, T, seed, tmp_path / 'olmo'), k)
   theirs = [b['input_ids'].numpy() for b in dl2]  # the rest of epoch 1
   assert len(theirs) == data.batches_per_epoch(ds, B) - k
   for a, b in zip(resumed, theirs):
@@ -521,16 +528,8 @@ def test_shipped_shakespeare_corpus():
   assert train.num_instances * 256 > 1_000_000
 
 
-def _prepare_module():
-  spec = importlib.util.spec_from_file_location('prepare_data',
-                                                os.path.join(REPO, 'scripts/prepare_data.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_prepare_data_writes_documents_with_eos_in_bounded_shards(tmp_path):
-  prepare_data = _prepare_module()
+  prepare_data = load_script('prepare_data')
   docs = ['To be, or not to be.', 'Out, damned spot!', 'The rest is silence. ' * 30, 'Exit.']
   (tmp_path / 'a.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs[:3]))
   (tmp_path / 'b.txt').write_text(docs[3])

@@ -5,7 +5,6 @@ own DataMix.build (the URLs of a shipped mix), and data.Dataset reading the
 local mix (its instances must be the served tokens).
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,17 +13,11 @@ import numpy as np
 import pytest
 
 import data
+from script_module import load_script
 from test_download import FaultyServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'fetch_data.py')
-
-
-def _module():
-  spec = importlib.util.spec_from_file_location('fetch_data', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _run(*args):
@@ -138,7 +131,7 @@ def test_checksums_are_enforced(served, tmp_path):
 def test_shipped_mixes_resolve_to_olmo_core_urls():
   """Our URLs for Ai2's mixes are the paths OLMo-core's DataMix.build makes."""
   from olmo_core.data import DataMix, TokenizerName
-  fetch_data = _module()
+  fetch_data = load_script('fetch_data')
   for mix in (DataMix.OLMo_mix_0925_official, DataMix.OLMo_midtraining_mix_0925_ingredient1_100B,
               DataMix.OLMo_longmino_mix_0925, DataMix.c4_ppl_validation, DataMix.dolma17):
     want, want_labels = mix.build('https://olmo-data.org', TokenizerName.dolma2)

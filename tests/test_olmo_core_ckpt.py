@@ -184,14 +184,8 @@ def stage2_overrides(steps: int, mix_file: str, base_dir: str) -> dict:
 
 def stage2_cfg(overrides: dict):
   from configs import olmo3_7b_stage2
-  cfg = olmo3_7b_stage2.get_config()
-  for dotted, value in overrides.items():
-    *groups, field = dotted.split('.')
-    node = cfg
-    for g in groups:
-      node = node[g]
-    node[field] = value
-  return cfg
+  return repro.apply_overrides(olmo3_7b_stage2.get_config(), overrides,
+                               'configs/olmo3_7b_stage2.py')
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ from olmo_core.data.utils import InstancePacker, get_labels, iter_document_indic
 
 import data
 from configs import olmo3_7b
+from test_data import olmo_resumed
 
 VOCAB, EOS, PAD, BOS = 100278, 100257, 100277, 100256  # dolma2 ids; BOS only for the BOS cases
 
@@ -219,14 +220,7 @@ def test_loader_order_ranks_and_resume_match_olmo_core(tmp_path, seed):
   again = data.dataset_from_config(cfg, cache_dir=str(tmp_path / 'pack'))  # from the cache
   with data.Loader.from_config(cfg, again, state=state, step=k, cache_dir=cache) as loader:
     resumed = [next(loader) for _ in range(n - k)]
-  dl = olmo_loader(ods, B, T, seed, tmp_path / 'olmo')
-  dl.reshuffle(epoch=1)
-  for _, _ in zip(range(k), dl):
-    pass
-  olmo_state = dl.state_dict()
-  dl2 = olmo_loader(ods, B, T, seed, tmp_path / 'olmo')
-  dl2.load_state_dict(olmo_state)
-  dl2.reshuffle(epoch=olmo_state['epoch'])
+  dl2, olmo_state = olmo_resumed(lambda: olmo_loader(ods, B, T, seed, tmp_path / 'olmo'), k)
   theirs = list(dl2)
   assert len(theirs) == len(resumed) == n - k
   for batch, their in zip(resumed, theirs):

@@ -4,7 +4,6 @@ References: the HF `tokenizers` library encoding each document on its own
 (plus EOS), and OLMo-core's NumpyFSLDataset reading the files we write.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,20 +16,14 @@ import pytest
 from tokenizers import Tokenizer
 
 import data
+from script_module import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'prepare_data.py')
 EMBEDDED = os.path.join(REPO, 'data', 'tokenizer.json')  # EOS '<|endoftext|>' is id 0
 
 
-def _module():
-  spec = importlib.util.spec_from_file_location('prepare_data', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-prepare_data = _module()
+prepare_data = load_script('prepare_data')
 
 DOCS = ['To be, or not to be.', 'Ünïcödé — 日本語 and emoji 🎭 survive.', '',
         'The rest is silence. ' * 40, 'line one\nline two\n\n', '"quoted" {json} \\ back']
