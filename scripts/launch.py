@@ -94,8 +94,16 @@ class Launcher:
       self.child.send_signal(signum)
 
   def run(self) -> int:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self._forward)
+    # The handlers are put back on return: a caller in the same process (or a
+    # child it forks later) must not inherit a SIGTERM that only sets a flag.
+    previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      return self._supervise()
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+  def _supervise(self) -> int:
     failures, attempt = 0, 0
     best = checkpoint.latest_step(self.ckpt_dir)
     while True:

@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 import zipfile
@@ -251,7 +252,11 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, int]:
 
 
 def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
-  for i in iter(tasks.get, None):  # _WORKER came with the fork
+  # A fork inherits the parent's Python signal handlers; a caller's SIGTERM
+  # handler that only sets a flag would make this worker unkillable.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_DFL)
+  for i in iter(tasks.get, None):  # _WORKER came with the fork; None: stop
     try:
       results.put((i, tokenize_chunk(chunks[i]), None))
     except Exception as e:  # pylint: disable=broad-except  # re-raised by the writer
@@ -293,10 +298,13 @@ def _in_workers(chunks: list[Chunk], workers: int) -> Iterator[tuple[np.ndarray,
         done[j] = out
       yield done.pop(i)
   finally:
+    for _ in procs:
+      tasks.put(None)
     for p in procs:
-      p.terminate()
-    for p in procs:
-      p.join()
+      p.join(timeout=5)  # idle workers stop at the sentinel; busy ones (an error) are killed
+      if p.is_alive():
+        p.kill()
+        p.join()
 
 
 # --- The writer ------------------------------------------------------------------------------

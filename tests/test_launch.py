@@ -90,8 +90,11 @@ def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
           'os.makedirs(os.path.join(ckpt, f"step_{n + 1}"))\n'
           'open(os.path.join(ckpt, f"step_{n + 1}", "COMMIT"), "w").close()\n'
           'sys.exit(1)\n')
+  handlers = [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)]
   rc = launch.main(['--max_failures=2', '--backoff=0', '--', *fake_trainer(tmp_path, body)])
   assert rc == 0
+  # Used as a library, the launcher puts the caller's signal handlers back.
+  assert [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)] == handlers
   log = (tmp_path / 'w' / 'launcher.log').read_text()
   assert log.count('started pid') == 6 and log.count('(progress)') == 5
   assert 'finished (exit 0)' in log

@@ -18,8 +18,10 @@ Run as a script, this file is the OLMo-core side (one process per rank):
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -146,18 +148,40 @@ def repro_model_config(cfg, init_seed: int):
   return oc
 
 
-_PORTS = iter(range(29600, 29700))
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
 
 
-def run_olmo_core(name: str, save_folder: str, world: int = 1, **spec) -> dict:
-  """OLMo-core's Trainer in `world` processes (one per rank); rank 0's records."""
-  spec = dict(name=name, save_folder=save_folder, port=next(_PORTS), world=world, **spec)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                             json.dumps(dict(spec, rank=r))], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL) for r in range(world)]
-  codes = [p.wait() for p in procs]
-  assert codes == [0] * world, f'OLMo-core run {name} failed: exit codes {codes}'
+def run_olmo_core(name: str, save_folder: str, world: int = 1, timeout: float = 600,
+                  **spec) -> dict:
+  """OLMo-core's Trainer in `world` processes (one per rank); rank 0's records.
+
+  The ranks meet on a free port; a run that outlives `timeout` (a rank stuck in a
+  collective its peer never joins) is killed and fails the test with its log.
+  """
+  spec = dict(name=name, save_folder=save_folder, port=free_port(), world=world, **spec)
+  env = dict(os.environ, JAX_PLATFORMS='cpu', GLOO_SOCKET_IFNAME='lo')
+  os.makedirs(save_folder, exist_ok=True)
+  logs = [os.path.join(save_folder, f'log_{name}_rank{r}.txt') for r in range(world)]
+  procs = []
+  for r, log in enumerate(logs):
+    with open(log, 'w') as out:
+      procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                     json.dumps(dict(spec, rank=r))], env=env, cwd=REPO,
+                                    stdout=out, stderr=subprocess.STDOUT))
+  deadline = time.time() + timeout
+  try:
+    codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
+  except subprocess.TimeoutExpired:
+    codes = None
+  finally:
+    for p in procs:
+      p.kill()
+  tails = '\n'.join(open(log).read()[-2000:] for log in logs)
+  assert codes is not None, f'OLMo-core run {name} did not finish in {timeout:.0f} s:\n{tails}'
+  assert codes == [0] * world, f'OLMo-core run {name} failed: exit codes {codes}\n{tails}'
   with open(os.path.join(save_folder, f'records_{name}.json')) as f:
     out = json.load(f)
   return {'ce': {int(k): v for k, v in out['ce'].items()},
@@ -287,7 +311,7 @@ def _train_py(config: str, workdir, overrides: dict) -> dict[int, dict]:
              f'--config.{k}={v}' for k, v in overrides.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return {r['step']: r for r in map(json.loads, open(os.path.join(workdir, 'metrics.jsonl')))
           if 'train/CE loss' in r}
@@ -318,7 +342,8 @@ def test_train_py_continues_olmo_core_run_on_the_same_batches_within_the_noise(r
       [sys.executable, os.path.join(REPO, 'convert.py'), f'--from_olmo_core={runs["step_dir"]}',
        f'--to={workdir / "checkpoints"}', f'--config={config}'] + [
            f'--config.{k}={v}' for k, v in overrides.items()],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True)
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   stored = checkpoint.read_metadata(str(workdir / 'checkpoints'), K)['config']['data']
   assert stored['mix_file'] == mix and not stored['paths']  # the run's config, as given
@@ -592,7 +617,8 @@ def test_config_flag_stores_the_run_config_and_refuses_another_run(synthetic, tm
   done = subprocess.run(
       [sys.executable, 'convert.py', f'--from_olmo_core={synthetic["export"]}',
        f'--to={tmp_path / "cli"}', '--config=configs/tiny_repro.py', '--config.data.seed=5'],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True)
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=600)
   assert done.returncode == 1 and 'convert.py: error: --config does not describe' in done.stderr
   assert 'data.seed=5' in done.stderr and not os.path.exists(tmp_path / 'cli')
 

@@ -5,7 +5,9 @@ References: the HF `tokenizers` library encoding each document on its own
 """
 
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -73,6 +75,22 @@ def test_output_is_byte_identical_for_1_2_4_workers_and_equals_the_reference(cor
   assert len(prepare_data.plan_chunks(files, chunk_bytes=300)) > 10
   assert outputs[1][0] == expected  # uint32 little-endian, EOS after each document, no header
   assert outputs[1] == outputs[2] == outputs[4]
+
+
+def test_workers_stop_under_a_callers_flag_only_sigterm_handler(corpus, tmp_path):
+  """A caller whose SIGTERM handler only sets a flag (train.py's preemption, the
+  launcher's forwarding) must not leave forked workers that ignore the shutdown."""
+  files, documents = corpus
+  tok = Tokenizer.from_file(EMBEDDED)
+  previous = signal.signal(signal.SIGTERM, lambda *a: None)
+  try:
+    summary = prepare_data.prepare(files, tok, output_dir=str(tmp_path), prefix='c',
+                                   max_shard_bytes=4000, workers=2, chunk_bytes=300,
+                                   batch_docs=5, progress=False)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert summary['documents'] == len(documents)
+  assert not multiprocessing.active_children()
 
 
 def test_olmo_core_reads_our_files_as_the_same_instances(tmp_path):

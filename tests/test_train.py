@@ -452,7 +452,7 @@ def _run_7b(tmp_path, *flags, devices=1):
   """train.py on the 7B config as a user types it; (returncode, stderr, seconds, peak RSS GiB)."""
   env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
   script = ('import resource, subprocess, sys, time; t = time.time(); '
-            'p = subprocess.run(sys.argv[1:], capture_output=True, text=True); '
+            'p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=240); '
             'rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20; '
             'print(p.returncode, time.time() - t, rss); sys.stderr.write(p.stderr)')
   proc = subprocess.run([sys.executable, '-c', script, sys.executable, 'train.py',
