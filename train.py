@@ -40,9 +40,6 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
-from tensorboardX import FileWriter
-from tensorboardX import summary as tb_summary
-from tensorboardX.proto import event_pb2, summary_pb2
 from tokenizers import Tokenizer
 
 import checkpoint
@@ -395,7 +392,12 @@ class MetricWriter:
     # tensorboardX writes event files without TensorFlow or torch. Its
     # SummaryWriter would rename 'train/CE loss' to 'train/CE_loss'; TensorBoard
     # itself accepts any tag, so Summary protos are written as they are.
-    self._summary = summary_pb2.Summary
+    # Imported here, not at the top: the package imports torch when torch is
+    # installed (1.5 s), which a command that fails on its flags should not pay.
+    from tensorboardX import FileWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX import summary as tb_summary  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=g-import-not-at-top
+    self._summary, self._text = summary_pb2.Summary, tb_summary.text
     path = os.path.join(workdir, 'metrics.jsonl')
     if os.path.exists(path):
       kept = []
@@ -426,7 +428,7 @@ class MetricWriter:
         if not isinstance(value, str)]), step)
     for name, text in metrics.items():
       if isinstance(text, str):
-        self.tb.add_summary(tb_summary.text(name, text), step)
+        self.tb.add_summary(self._text(name, text), step)
     self.tb.flush()
 
   def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Test setup: 8 simulated CPU devices (set before JAX is imported) and strict ranks."""
+"""Test setup: 8 simulated CPU devices (set before JAX is imported), strict ranks, and one
+persistent compilation cache for the whole run."""
 
 import os
 import sys
@@ -7,5 +8,28 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS line)
+import pytest  # noqa: E402
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+
+@pytest.fixture(scope='session', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Many tests compile the same programs (the tiny model's step in-process and in every
+  train.py subprocess): compile each once per run. The cache folder is new for each
+  run and shared by the xdist workers and every subprocess (through the environment)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # <run>/popen-gwN: the run's folder is common to the workers
+  directory = root / 'jax_cache'
+  directory.mkdir(exist_ok=True)
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  saved = {name: getattr(jax.config, name) for name in names}
+  jax.config.update(names[0], str(directory))
+  jax.config.update(names[1], 0.0)
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv('JAX_COMPILATION_CACHE_DIR', str(directory))
+    env.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+    yield directory
+  for name, value in saved.items():
+    jax.config.update(name, value)

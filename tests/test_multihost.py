@@ -42,17 +42,9 @@ TINY = ['--config=configs/small.py', '--config.model.num_layers=4', '--config.mo
 LOSS_RTOL = 2e-5  # float32 sums over a different device split: reduction order only
 
 
-def _cache_dir() -> str:
-  # One persistent compilation cache for every run of the session (start-up dominates).
-  path = os.path.join(os.environ.get('PYTEST_TMPDIR', '/tmp'), 'olmo3_test_jax_cache')
-  os.makedirs(path, exist_ok=True)
-  return path
-
-
 def trainer_env(devices: int, **extra: str) -> dict[str, str]:
   return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-              JAX_PLATFORMS='cpu', JAX_COMPILATION_CACHE_DIR=_cache_dir(),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', PYTHONUNBUFFERED='1', **extra)
+              JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', **extra)  # + conftest's cache
 
 
 def train_args(workdir, steps: int, ckpt_every: int, *extra: str) -> list[str]:

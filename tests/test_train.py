@@ -59,22 +59,6 @@ OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --conf
 }
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Every run here compiles the same few programs: compile each once (subprocesses too)."""
-  directory = str(tmp_path_factory.mktemp('jax_cache'))
-  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
-  saved = {name: getattr(jax.config, name) for name in names}
-  jax.config.update(names[0], directory)
-  jax.config.update(names[1], 0.0)
-  with pytest.MonkeyPatch.context() as env:
-    env.setenv('JAX_COMPILATION_CACHE_DIR', directory)
-    env.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-    yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-
-
 @pytest.fixture(scope='module')
 def token_files(tmp_path_factory) -> tuple[str, str]:
   """Train / validation uint32 .npy token files: the embedded corpus folded into VOCAB ids."""
