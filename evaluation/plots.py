@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
-from tensorboardX.proto import event_pb2
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 
@@ -78,6 +77,8 @@ def _read_tensorboard(path: str, metric: str) -> tuple[list[int], list[float]]:
            if os.path.isdir(path) else [path])
   if not files:
     raise FileNotFoundError(f'{path}: no events.out.tfevents* files.')
+  # Imported here: the tensorboardX package imports torch where it is installed (1.5 s).
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   tags = {metric, metric.replace(' ', '_')}  # tensorboardX writes spaces in tags as '_'
   steps, values = [], []
   for file in files:
