@@ -18,7 +18,6 @@ Run as a script, this file is the OLMo-core side (one process per rank):
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import reproduce_olmo_core as repro  # noqa: E402
+from test_multihost import free_port  # noqa: E402
 
 # The shape of tests/test_reproduce.py (a few seconds per OLMo-core step on two cores).
 SMALL = repro.shape_overrides(d_model=64, mlp_hidden=192, window=16, seq_len=64, batch_size=4)
@@ -146,12 +146,6 @@ def repro_model_config(cfg, init_seed: int):
       force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False)
   oc.block.feed_forward.hidden_size = m.mlp_hidden
   return oc
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def run_olmo_core(name: str, save_folder: str, world: int = 1, timeout: float = 600,
