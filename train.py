@@ -45,6 +45,7 @@ from tokenizers import Tokenizer
 import checkpoint
 import convert
 import data
+import events
 import guards
 import kernels
 import model
@@ -389,15 +390,6 @@ class MetricWriter:
     self.enabled = jax.process_index() == 0
     if not self.enabled:
       return
-    # tensorboardX writes event files without TensorFlow or torch. Its
-    # SummaryWriter would rename 'train/CE loss' to 'train/CE_loss'; TensorBoard
-    # itself accepts any tag, so Summary protos are written as they are.
-    # Imported here, not at the top: the package imports torch when torch is
-    # installed (1.5 s), which a command that fails on its flags should not pay.
-    from tensorboardX import FileWriter  # pylint: disable=g-import-not-at-top
-    from tensorboardX import summary as tb_summary  # pylint: disable=g-import-not-at-top
-    from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=g-import-not-at-top
-    self._summary, self._text = summary_pb2.Summary, tb_summary.text
     path = os.path.join(workdir, 'metrics.jsonl')
     if os.path.exists(path):
       kept = []
@@ -412,10 +404,10 @@ class MetricWriter:
         f.writelines(kept)
       os.replace(path + '.tmp', path)
     self.jsonl = open(path, 'a')
-    self.tb = FileWriter(os.path.join(workdir, 'tensorboard'))
+    # Tags are written as they are ('train/CE loss'); TensorBoard accepts any tag.
+    self.tb = events.Writer(os.path.join(workdir, 'tensorboard'))
     if start:
-      self.tb.add_event(event_pb2.Event(session_log=event_pb2.SessionLog(
-          status=event_pb2.SessionLog.START)), step=start + 1)
+      self.tb.start_session(start + 1)
 
   def write(self, step: int, metrics: dict[str, float | str]) -> None:
     """One record; numbers become TensorBoard scalars, strings its text summaries."""
@@ -423,13 +415,9 @@ class MetricWriter:
       return
     self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
     self.jsonl.flush()
-    self.tb.add_summary(self._summary(value=[
-        self._summary.Value(tag=name, simple_value=value) for name, value in metrics.items()
-        if not isinstance(value, str)]), step)
-    for name, text in metrics.items():
-      if isinstance(text, str):
-        self.tb.add_summary(self._text(name, text), step)
-    self.tb.flush()
+    self.tb.summary(step, [events.text_value(name, value) if isinstance(value, str)
+                           else events.scalar_value(name, value)
+                           for name, value in metrics.items()])
 
   def close(self) -> None:
     if self.enabled:

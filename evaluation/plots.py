@@ -21,11 +21,12 @@ import glob
 import json
 import math
 import os
-import struct
 from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+
+import events
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 
@@ -33,7 +34,8 @@ STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 def read_curve(path: str, metric: str = 'train/CE loss') -> tuple[np.ndarray, np.ndarray]:
   """(steps, values) sorted by step, from JSONL, TensorBoard events, or a W&B CSV/TSV."""
   if os.path.isdir(path) or os.path.basename(path).startswith('events.out.tfevents'):
-    steps, values = _read_tensorboard(path, metric)
+    # tensorboardX's SummaryWriter writes spaces in tags as '_'.
+    steps, values = events.read_scalars(path, {metric, metric.replace(' ', '_')})
   elif path.endswith('.jsonl'):
     steps, values = [], []
     with open(path) as f:
@@ -68,29 +70,6 @@ def _read_wandb(path: str, metric: str) -> tuple[list[int], list[float]]:
     if row[columns[0]] not in ('', 'NaN', 'nan'):  # W&B leaves steps without the metric empty
       steps.append(int(float(row[step_col])))
       values.append(float(row[columns[0]]))
-  return steps, values
-
-
-def _read_tensorboard(path: str, metric: str) -> tuple[list[int], list[float]]:
-  """Scalars from TFRecord event files (length, crc, Event proto, crc); tensorboardX's protos."""
-  files = (sorted(glob.glob(os.path.join(path, '**', 'events.out.tfevents*'), recursive=True))
-           if os.path.isdir(path) else [path])
-  if not files:
-    raise FileNotFoundError(f'{path}: no events.out.tfevents* files.')
-  # Imported here: the tensorboardX package imports torch where it is installed (1.5 s).
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  tags = {metric, metric.replace(' ', '_')}  # tensorboardX writes spaces in tags as '_'
-  steps, values = [], []
-  for file in files:
-    with open(file, 'rb') as f:
-      while header := f.read(12):
-        (length,) = struct.unpack('<Q', header[:8])
-        event = event_pb2.Event.FromString(f.read(length))
-        f.read(4)
-        for v in event.summary.value:
-          if v.tag in tags:
-            steps.append(event.step)
-            values.append(v.simple_value if v.HasField('simple_value') else v.tensor.float_val[0])
   return steps, values
 
 
