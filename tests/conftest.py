@@ -33,3 +33,20 @@ def compilation_cache(tmp_path_factory):
     yield directory
   for name, value in saved.items():
     jax.config.update(name, value)
+
+
+# `-n 2 --dist loadfile` hands each xdist worker whole files, in collection
+# order (pyproject's `--no-loadscope-reorder`; xdist would otherwise order them
+# by test count, which put the few-but-long multi-process files last, where one
+# worker ran them alone). Longest first, so both workers finish together; the
+# per-file times are in docs/results/tests.md. Files not listed follow in
+# their usual order.
+LONGEST_FIRST = ('test_kernels.py', 'test_train.py', 'test_context_parallel.py',
+                 'test_olmo_core_ckpt.py', 'test_multihost.py', 'test_launch.py',
+                 'test_model.py', 'test_reproduce.py', 'test_eval.py', 'test_plan.py',
+                 'test_optim.py', 'test_checkpoint.py', 'test_data.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
