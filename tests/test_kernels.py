@@ -73,7 +73,7 @@ def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, bl
   f = lambda q, k, v: kernels.flash_attention(
       q, k, v, window=window, segment_ids_BT=seg, block_q=block_q,
       block_kv=block_kv, interpret=pltpu.InterpretParams())
-  o, vjp = jax.vjp(f, q, k, v)
+  o, vjp = jax.vjp(jax.jit(f), q, k, v)  # one program, not op-by-op dispatch
   grads = vjp(do)
   o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
   assert o.dtype == dtype and o.shape == q.shape
@@ -92,7 +92,7 @@ def test_two_cores_and_random_grid_order(window):
   params = pltpu.InterpretParams(num_cores_or_threads=2, random_seed=3)
   f = lambda q, k, v: kernels.flash_attention(
       q, k, v, window=window, segment_ids_BT=seg, interpret=params)
-  o, vjp = jax.vjp(f, q, k, v)
+  o, vjp = jax.vjp(jax.jit(f), q, k, v)  # one program, not op-by-op dispatch
   o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
   assert _rel_err(o, o_ref) < 1e-5
   for x, ref in zip(vjp(do), grads_ref):
@@ -386,7 +386,7 @@ def test_cudnn_path_window_mapping(window):
   local = None if window is None else (window - 1, 0)
   got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                      implementation='xla')
-  want = kernels.xla.attention(q, k, v, window=window)
+  want = jax.jit(lambda q, k, v: kernels.xla.attention(q, k, v, window=window))(q, k, v)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
@@ -406,7 +406,7 @@ def test_xla_attention_blocks_match_float64(t, window, block_q, segmented):
   segments = jnp.asarray(segments) if segmented else None
   attend = lambda q, k, v: kernels.xla.attention(q, k, v, window=window,
                                                 segment_ids_BT=segments, block_q=block_q)
-  out, vjp = jax.vjp(attend, q, k, v)
+  out, vjp = jax.vjp(jax.jit(attend), q, k, v)
   want_out, want_grads = attention_np(q, k, v, dout, window, segments)
   np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6)
   for got, want in zip(vjp(dout), want_grads):
