@@ -185,8 +185,8 @@ def committed(workdir) -> list[int]:
   return checkpoint.committed_steps(os.path.join(workdir, 'checkpoints'))
 
 
-def read_events(logdir) -> dict[int, dict[str, float]]:
-  """Scalars of every TensorBoard event file: the TFRecord framing read by hand.
+def read_events(logdir) -> dict[int, dict[str, float | str]]:
+  """Scalars and texts of every TensorBoard event file: the TFRecord framing read by hand.
 
   Each record is uint64 length, masked crc32c(length), data, masked crc32c(data);
   the data is an Event proto (tensorboardX's own copy of TensorBoard's protos).
@@ -195,7 +195,7 @@ def read_events(logdir) -> dict[int, dict[str, float]]:
   """
   from tensorboardX.proto import event_pb2
   from tensorboardX.record_writer import masked_crc32c
-  scalars: dict[int, dict[str, float]] = {}
+  scalars: dict[int, dict[str, float | str]] = {}
   files = sorted(pathlib.Path(logdir).glob('events.out.tfevents.*'))
   assert files, f'no event file in {logdir}'
   for path in files:
@@ -212,8 +212,10 @@ def read_events(logdir) -> dict[int, dict[str, float]]:
       event = event_pb2.Event.FromString(payload)
       if event.session_log.status == event_pb2.SessionLog.START:
         scalars = {s: v for s, v in scalars.items() if s < event.step}
-      for value in event.summary.value:
-        scalars.setdefault(event.step, {})[value.tag] = value.simple_value
+      for value in event.summary.value:  # a text summary's value is its string
+        scalars.setdefault(event.step, {})[value.tag] = (
+            value.tensor.string_val[0].decode() if value.tensor.string_val
+            else value.simple_value)
   return scalars
 
 
@@ -596,7 +598,7 @@ def test_divergence_stops_and_keeps_the_last_healthy_checkpoint(
   final = read_metrics(resumable)[trip]
   assert final['guard/diverged'] == 1.0 and reason in final['guard/reason']
   events = read_events(resumable / 'tensorboard')[trip]
-  assert events['guard/diverged'] == 1.0 and 'guard/reason' in events
+  assert events['guard/diverged'] == 1.0 and reason in events['guard/reason']
 
 
 @pytest.mark.slow
