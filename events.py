@@ -65,6 +65,7 @@ def masked_crc32c(data: bytes) -> int:
 
 
 def record(data: bytes) -> bytes:
+  """One TFRecord: the length and its masked CRC, the data and its masked CRC."""
   length = struct.pack('<Q', len(data))
   return (length + struct.pack('<I', masked_crc32c(length)) + data
           + struct.pack('<I', masked_crc32c(data)))
