@@ -19,7 +19,6 @@ import pathlib
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -186,36 +185,24 @@ def committed(workdir) -> list[int]:
 
 
 def read_events(logdir) -> dict[int, dict[str, float | str]]:
-  """Scalars and texts of every TensorBoard event file: the TFRecord framing read by hand.
+  """Scalars and texts of every TensorBoard event file, read with tensorboardX's protos.
 
-  Each record is uint64 length, masked crc32c(length), data, masked crc32c(data);
-  the data is an Event proto (tensorboardX's own copy of TensorBoard's protos).
-  A SessionLog START at step s discards earlier-written events with step >= s,
-  as TensorBoard does on load.
+  test_events.parse checks each record's framing and both CRCs. A SessionLog
+  START at step s discards earlier-written events with step >= s, as
+  TensorBoard does on load.
   """
   from tensorboardX.proto import event_pb2
-  from tensorboardX.record_writer import masked_crc32c
+  from test_events import parse
   scalars: dict[int, dict[str, float | str]] = {}
   files = sorted(pathlib.Path(logdir).glob('events.out.tfevents.*'))
   assert files, f'no event file in {logdir}'
-  for path in files:
-    buf = path.read_bytes()
-    pos = 0
-    while pos < len(buf):
-      header = buf[pos:pos + 8]
-      (length,) = struct.unpack('<Q', header)
-      assert struct.unpack('<I', buf[pos + 8:pos + 12])[0] == masked_crc32c(header)
-      payload = buf[pos + 12:pos + 12 + length]
-      assert struct.unpack('<I', buf[pos + 12 + length:pos + 16 + length])[0] == \
-          masked_crc32c(payload)
-      pos += 16 + length
-      event = event_pb2.Event.FromString(payload)
-      if event.session_log.status == event_pb2.SessionLog.START:
-        scalars = {s: v for s, v in scalars.items() if s < event.step}
-      for value in event.summary.value:  # a text summary's value is its string
-        scalars.setdefault(event.step, {})[value.tag] = (
-            value.tensor.string_val[0].decode() if value.tensor.string_val
-            else value.simple_value)
+  for event in (e for path in files for e in parse(path)):
+    if event.session_log.status == event_pb2.SessionLog.START:
+      scalars = {s: v for s, v in scalars.items() if s < event.step}
+    for value in event.summary.value:  # a text summary's value is its string
+      scalars.setdefault(event.step, {})[value.tag] = (
+          value.tensor.string_val[0].decode() if value.tensor.string_val
+          else value.simple_value)
   return scalars
 
 
