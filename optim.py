@@ -426,30 +426,37 @@ def _chunk_sums(w_DV: jax.Array, h_BCD: jax.Array, y_BC: jax.Array, m_BC: jax.Ar
 
 
 def _chunk_sums_fwd(w_DV, h_BCD, y_BC, m_BC):
-  logits_BCV = (h_BCD @ w_DV).astype(jnp.float32)
-  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-  target_BC = jnp.take_along_axis(logits_BCV, y_BC[..., None], axis=-1)[..., 0]
-  sums = (jnp.sum(jnp.where(m_BC, lse_BC - target_BC, 0.0)),
-          jnp.sum(jnp.where(m_BC, jnp.square(lse_BC), 0.0)))
-  return sums, (w_DV, h_BCD, y_BC, m_BC, logits_BCV, lse_BC)
+  # M = B * C rows, flat, and the target logit taken as h . w[:, y] rather
+  # than read from the logits: then the backward's single elementwise pass
+  # is the logits' last reader, and XLA writes their gradient over them in
+  # place (the step's largest buffer once instead of twice; on a CPU every
+  # fresh page costs a fault, every step).
+  h_MD, y_M, m_M = h_BCD.reshape(-1, h_BCD.shape[-1]), y_BC.reshape(-1), m_BC.reshape(-1)
+  logits_MV = (h_MD @ w_DV).astype(jnp.float32)
+  lse_M = jax.nn.logsumexp(logits_MV, axis=-1)
+  target_M = jnp.einsum('md,dm->m', h_MD, jnp.take(w_DV, y_M, axis=1)).astype(jnp.float32)
+  sums = (jnp.sum(jnp.where(m_M, lse_M - target_M, 0.0)),
+          jnp.sum(jnp.where(m_M, jnp.square(lse_M), 0.0)))
+  return sums, (w_DV, h_BCD, y_M, m_M, logits_MV, lse_M)
 
 
 def _chunk_sums_bwd(residuals, cotangents):
   """d/dlogits = m * (softmax * (g_ce + 2 g_z lse) - g_ce * onehot(y)), built in one pass.
 
   Hand-written because autodiff's version, on CPU, also writes a transposed
-  copy of the [B, C, V] gradient for the head's weight gradient (a second full
+  copy of the [M, V] gradient for the head's weight gradient (a second full
   pass over the step's largest array); here both matmuls read the one copy.
   """
-  w_DV, h_BCD, y_BC, m_BC, logits_BCV, lse_BC = residuals
+  w_DV, h_BCD, y_M, m_M, logits_MV, lse_M = residuals
   g_ce, g_z = cotangents
-  scale_BC = jnp.where(m_BC, g_ce + 2 * g_z * lse_BC, 0.0)
-  target_BC = jnp.where(m_BC, g_ce, 0.0)
-  onehot_BCV = y_BC[..., None] == jnp.arange(logits_BCV.shape[-1], dtype=y_BC.dtype)[None, None]
-  dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) * scale_BC[..., None]
-                 - jnp.where(onehot_BCV, target_BC[..., None], 0.0)).astype(h_BCD.dtype)
-  dh_BCD = jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_DV)
-  dw_DV = jnp.einsum('bcd,bcv->dv', h_BCD, dlogits_BCV)
+  scale_M = jnp.where(m_M, g_ce + 2 * g_z * lse_M, 0.0)
+  target_M = jnp.where(m_M, g_ce, 0.0)
+  onehot_MV = y_M[:, None] == jnp.arange(logits_MV.shape[-1], dtype=y_M.dtype)[None]
+  dlogits_MV = (jnp.exp(logits_MV - lse_M[:, None]) * scale_M[:, None]
+                - jnp.where(onehot_MV, target_M[:, None], 0.0)).astype(h_BCD.dtype)
+  h_MD = h_BCD.reshape(-1, h_BCD.shape[-1])
+  dh_BCD = jnp.einsum('mv,dv->md', dlogits_MV, w_DV).reshape(h_BCD.shape)
+  dw_DV = jnp.einsum('md,mv->dv', h_MD, dlogits_MV)
   return dw_DV, dh_BCD, None, None
 
 
