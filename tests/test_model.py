@@ -215,17 +215,25 @@ def test_segment_ids_isolate_documents():
   assert not np.allclose(np.asarray(unmasked[:, 4:]), alone, atol=1e-3)
 
 
-@pytest.mark.parametrize('policy', ['full', 'save_dots', 'save_proj'])
-def test_remat_changes_nothing(policy):
+def _remat_loss(p, tokens, cfg):
+  return -jnp.mean(jax.nn.log_softmax(model.logits(p, tokens, cfg))[:, :-1, :].max(-1))
+
+
+@pytest.fixture(scope='module')
+def no_remat():
+  """(params, tokens, loss, grads) without remat: compiled once for the three policies."""
   base = _tiny_cfg(remat='none')
   params = model.init_params(base, jax.random.key(4))
   tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 64)
+  loss, grads = jax.jit(jax.value_and_grad(lambda p: _remat_loss(p, tokens, base)))(params)
+  return params, tokens, loss, grads
 
-  def loss(p, cfg):
-    return -jnp.mean(jax.nn.log_softmax(model.logits(p, tokens, cfg))[:, :-1, :].max(-1))
-  ref_loss, ref_grad = jax.jit(jax.value_and_grad(lambda p: loss(p, base)))(params)
+
+@pytest.mark.parametrize('policy', ['full', 'save_dots', 'save_proj'])
+def test_remat_changes_nothing(policy, no_remat):
+  params, tokens, ref_loss, ref_grad = no_remat
   cfg = _tiny_cfg(remat=policy)
-  got_loss, got_grad = jax.jit(jax.value_and_grad(lambda p: loss(p, cfg)))(params)
+  got_loss, got_grad = jax.jit(jax.value_and_grad(lambda p: _remat_loss(p, tokens, cfg)))(params)
   # Recomputation changes XLA's fusion and so float32 summation order: equal
   # to rounding (grads are ~1e-2; observed differences <= 6e-7), not bitwise.
   np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
