@@ -371,8 +371,9 @@ def ours_job(overrides: dict, hf_dir: str, run_dir: str) -> str:
   cmd = [sys.executable, os.path.join(REPO, 'train.py'),
          f'--config={os.path.join(REPO, "configs", "tiny_repro.py")}', f'--workdir={run_dir}',
          '--sample_tokens=0'] + [f'--config.{k}={v}' for k, v in overrides.items()]
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1',
-             JAX_PLATFORMS='cpu')
+  # One CPU device, keeping the caller's other XLA flags (the last flag wins).
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS='cpu')
   print('[ours] ' + ' '.join(cmd), flush=True)
   subprocess.run(cmd, cwd=REPO, env=env, check=True)
   return run_dir

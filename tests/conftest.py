@@ -1,10 +1,14 @@
-"""Test setup: 8 simulated CPU devices (set before JAX is imported), strict ranks, and one
-persistent compilation cache for the whole run."""
+"""Test setup: 8 simulated CPU devices and the run's XLA flags (set before JAX is
+imported), strict ranks, and one persistent compilation cache for the whole run."""
 
 import os
 import sys
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+from xla_flags import TEST_FLAGS
+
+# Subprocesses inherit these; a caller's own XLA_FLAGS come last and win.
+os.environ['XLA_FLAGS'] = (f"--xla_force_host_platform_device_count=8 {TEST_FLAGS} "
+                           f"{os.environ.get('XLA_FLAGS', '')}").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS line)

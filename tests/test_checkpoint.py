@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import checkpoint
+from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # fsync dominates these tiny saves on a busy disk; the round-trip, IO-error and
@@ -647,8 +648,7 @@ def test_workdir_lock_excludes_a_second_run_and_takes_over_a_dead_ones(tmp_path,
 
 
 _WORKER = r'''
-import os, sys
-os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+import sys
 import jax
 jax.distributed.initialize(f'localhost:{sys.argv[2]}', num_processes=2,
                            process_id=int(sys.argv[1]))
@@ -687,7 +687,7 @@ def test_two_processes_restore_and_save_cooperatively(tmp_path):
   with socket.socket() as s:
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS='')
+  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=with_devices(4))
   procs = [subprocess.Popen([sys.executable, str(tmp_path / 'worker.py'), str(i), str(port),
                              str(tmp_path)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 import data
 from script_module import load_script
+from xla_flags import with_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, EOS, PAD = 100278, 100257, 100277  # dolma2; OLMo-core's collator checks ids < vocab
@@ -573,7 +574,7 @@ def test_two_processes_read_only_their_rows(tmp_path):
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = str(s.getsockname()[1])
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', PYTHONPATH=REPO)
+  env = dict(os.environ, XLA_FLAGS=with_devices(2), PYTHONPATH=REPO)
   procs = [subprocess.Popen([sys.executable, '-c', _WORKER, port, str(i)] + paths, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]

@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from xla_flags import with_devices
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / 'data' / 'shakespeare-train-00000.npy'
 SEQ, BATCH, SEED = 64, 8, 34521
@@ -43,7 +45,7 @@ LOSS_RTOL = 2e-5  # float32 sums over a different device split: reduction order 
 
 
 def trainer_env(devices: int, **extra: str) -> dict[str, str]:
-  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+  return dict(os.environ, XLA_FLAGS=with_devices(devices),
               JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1', **extra)  # + conftest's cache
 
 

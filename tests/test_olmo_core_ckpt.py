@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import reproduce_olmo_core as repro  # noqa: E402
 from test_multihost import free_port  # noqa: E402
+from xla_flags import with_devices  # noqa: E402
 
 # The shape of tests/test_reproduce.py (a few seconds per OLMo-core step on two cores).
 SMALL = repro.shape_overrides(d_model=64, mlp_hidden=192, window=16, seq_len=64, batch_size=4)
@@ -304,7 +305,7 @@ def _train_py(config: str, workdir, overrides: dict) -> dict[int, dict]:
          f'--workdir={workdir}', '--sample_tokens=0'] + [
              f'--config.{k}={v}' for k, v in overrides.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+             XLA_FLAGS=with_devices(1))
   done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return {r['step']: r for r in map(json.loads, open(os.path.join(workdir, 'metrics.jsonl')))

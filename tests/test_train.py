@@ -34,6 +34,7 @@ import data
 import model
 import optim
 import train
+from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS, STOP = 8, 3  # the run; the step SIGTERM stops it at (not a ckpt_every multiple)
@@ -150,7 +151,7 @@ def child_command(workdir, token_files, *flags: str, devices: int, steps: int = 
             'train.run()\n')
   argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0',
           *config_flags(token_files), f'--config.train.steps={steps}', *flags]
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  env = dict(os.environ, XLA_FLAGS=with_devices(devices))
   return argv, env
 
 
@@ -423,7 +424,7 @@ def test_bad_config_is_a_clear_error(token_files, tmp_path, changes, error, matc
 
 def _run_7b(tmp_path, *flags, devices=1):
   """train.py on the 7B config as a user types it; (returncode, stderr, seconds, peak RSS GiB)."""
-  env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+  env = {**os.environ, 'XLA_FLAGS': with_devices(devices)}
   script = ('import resource, subprocess, sys, time; t = time.time(); '
             'p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=240); '
             'rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20; '
@@ -480,7 +481,7 @@ def run_cli(workdir, token_files, *flags: str, config: str = 'configs/small.py',
   argv = [sys.executable, script, f'--config={config}', *config_flags(token_files), *flags]
   if script == 'train.py':
     argv += [f'--workdir={workdir}', '--sample_tokens=0']
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  env = dict(os.environ, XLA_FLAGS=with_devices(devices))
   return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
