@@ -60,8 +60,8 @@ CASES = [
     pytest.param(512, 2, 2, 128, None, False, F32, 128, 128, id='causal-mha-4blocks'),
     pytest.param(512, 4, 1, 128, 64, False, F32, 128, 128, id='window<block-gqa4'),
     pytest.param(384, 8, 1, 256, 128, False, F32, 128, 128, id='window=block-gqa8-k256'),
-    pytest.param(512, 4, 1, 128, 300, True, F32, 128, 128, id='window>block-segments'),
-    pytest.param(512, 4, 4, 256, None, True, BF16, 128, 128, id='causal-segments-bf16-k256'),
+    pytest.param(512, 2, 1, 128, 300, True, F32, 128, 128, id='window>block-segments'),
+    pytest.param(512, 2, 2, 256, None, True, BF16, 128, 128, id='causal-segments-bf16-k256'),
     pytest.param(512, 8, 2, 128, 200, False, BF16, 256, 128, id='bq>bkv-gqa4-bf16'),
     pytest.param(300, 4, 1, 128, 100, False, F32, 128, 256, id='ragged-T-bkv>bq'),
 ]
@@ -88,7 +88,7 @@ def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, bl
 @pytest.mark.parametrize('window', [None, 1, 129])
 def test_two_cores_and_random_grid_order(window):
   """Megacore-style split and shuffled 'parallel' axes change nothing."""
-  q, k, v, do, seg = _inputs(1, 2, 512, 4, 2, 128, jnp.float32, True)
+  q, k, v, do, seg = _inputs(1, 2, 512, 2, 1, 128, jnp.float32, True)
   params = pltpu.InterpretParams(num_cores_or_threads=2, random_seed=3)
   f = lambda q, k, v: kernels.flash_attention(
       q, k, v, window=window, segment_ids_BT=seg, interpret=params)
@@ -247,10 +247,10 @@ def _embedded_oracle(q_pos, q, k, v, do, window, seg):
 # (S, H, G, K, window, segments, layout): layout is an int q_offset or a [V][C] chunk table
 # whose every row is run through one jitted function with the row traced.
 OFFSET_CASES = [
-    pytest.param(512, 4, 2, 128, None, False, 200, id='offset-unaligned-causal'),
+    pytest.param(512, 2, 1, 128, None, False, 200, id='offset-unaligned-causal'),
     pytest.param(512, 4, 1, 256, 100, True, 256, id='offset-window-segments-gqa4-k256'),
     pytest.param(512, 4, 2, 128, None, True, ((0, 384), (128, 256)), id='zigzag2-causal-docs'),
-    pytest.param(512, 8, 2, 128, 48, False, ((0, 448), (64, 384), (128, 320), (192, 256)),
+    pytest.param(512, 4, 2, 128, 48, False, ((0, 448), (64, 384), (128, 320), (192, 256)),
                  id='zigzag4-chunk<block-window'),
     pytest.param(512, 2, 1, 256, 300, True, ((64, 320), (192, 384)), id='chunks-window>block-k256'),
 ]

@@ -100,12 +100,14 @@ def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
 
 
 def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
-                        wrapper: str | None = None, log_dir=None) -> list[subprocess.Popen]:
+                        wrapper: str | None = None, log_dir=None,
+                        heartbeat_timeout: int = 10) -> list[subprocess.Popen]:
   port = free_port()
   procs = []
   for i in range(2):
     args = train_args(workdir, steps, ckpt_every, *extra, f'--coordinator_address=127.0.0.1:{port}',
-                      f'--process_id={i}', '--num_processes=2', '--heartbeat_timeout=10')
+                      f'--process_id={i}', '--num_processes=2',
+                      f'--heartbeat_timeout={heartbeat_timeout}')
     if wrapper:
       args[1] = wrapper
     out = open(pathlib.Path(log_dir) / f'log{i}', 'w') if log_dir else subprocess.PIPE
@@ -298,7 +300,8 @@ def test_elastic_resize_8_2_8_keeps_batch_order_and_schedule(single4, tmp_path):
 
 @pytest.mark.slow
 def test_killed_worker_aborts_peer_and_resume_is_exact(two_process, tmp_path):
-  procs = spawn_two_processes(tmp_path, 6, 1, log_dir=tmp_path)
+  # The survivor notices its peer is gone when the heartbeats stop for heartbeat_timeout.
+  procs = spawn_two_processes(tmp_path, 6, 1, log_dir=tmp_path, heartbeat_timeout=5)
   try:
     wait_for_step(tmp_path, 3, procs[0])
     procs[1].send_signal(signal.SIGKILL)
