@@ -1,13 +1,13 @@
 """The XLA flags of the whole test run: this process and every JAX process it starts.
 
-Most of the suite's time on a CPU is XLA compiling small programs, and most of
-a compile is LLVM optimizing the generated code. The tests' programs are tiny,
-so unoptimized machine code costs them little at run time, while LLVM's level 0
-saves a third to a half of the compile time (docs/results/tests.md). XLA's own
-HLO passes still run unchanged (same optimized HLO, same buffer assignment and
-memory analysis), but the machine code may round differently in the last bit
-(fused multiply-adds), so every JAX process of a run must get these flags:
-runs compared bit for bit across processes are then compiled alike.
+Much of the suite's time on a CPU is XLA compiling small programs, and up to
+half of a compile is LLVM optimizing the generated code. The tests' programs
+are tiny, so plainer machine code costs them little at run time, while LLVM's
+level 0 saves a third to a half of the compile time (docs/results/tests.md).
+XLA's own HLO passes are unaffected (the same optimized HLO, buffer assignment
+and memory analysis), but the machine code can round differently in the last
+bit (seen in the small model's gradients), so every JAX process of a run gets
+these flags: runs compared bit for bit across processes are compiled alike.
 """
 
 import os
