@@ -11,15 +11,23 @@ wrong or the file was removed) fail at once. Items download in parallel and
 one progress bar on stderr shows bytes/s and the ETA. A `dest` that is
 already complete is skipped, so rerunning a fetch downloads nothing.
 
+A host that cannot be reached at all is not retried like a dropped
+connection: a name that does not resolve (no network, or a wrong name) fails
+at once, and a host that refuses every connection fails after the retries.
+Both raise HostUnreachable, and fetch() then starts no further item: every
+other file on that host would fail the same way, one timeout at a time.
+
 URLs: http(s)://, file:// or a local path (copied, also via `.part`), and
 public gs:// / s3:// buckets through their HTTPS endpoints (a private bucket
 answers 403: copy it with gsutil / aws s3 and fetch from the local copy).
 """
 
 import concurrent.futures
+import errno
 import hashlib
 import http.client
 import os
+import socket
 import sys
 import threading
 import time
@@ -35,6 +43,10 @@ _PUBLIC_ENDPOINTS = {  # public buckets answer anonymous HTTPS GETs with Range s
     's3': 'https://{bucket}.s3.amazonaws.com/{key}',
 }
 _USER_AGENT = 'olmo3-jax-download/1'
+# getaddrinfo's failures as the C library words them, for errors that arrive as text.
+_UNRESOLVED = ('Name or service not known', 'Temporary failure in name resolution',
+               'nodename nor servname', 'No address associated with hostname')
+_NO_ROUTE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH)
 
 
 class DownloadError(RuntimeError):
@@ -49,6 +61,18 @@ class DownloadError(RuntimeError):
     super().__init__(message)
     self.url, self.status = url, status
     self.failures = list(failures) or [(url, message)]
+
+
+class HostUnreachable(DownloadError):
+  """No connection to the URL's host at all: its name does not resolve, or it refuses.
+
+  `host` is the host name; `resolved` is False when the name did not resolve.
+  """
+
+  def __init__(self, message: str, url: str = '', host: str = '', resolved: bool = True,
+               failures: Sequence[tuple[str, str]] = ()):
+    super().__init__(message, url, None, failures)
+    self.host, self.resolved = host, resolved
 
 
 class Item(NamedTuple):
@@ -66,7 +90,32 @@ class Report(NamedTuple):
 
 
 class _Transient(Exception):
-  """A failure worth retrying: a dropped connection, a timeout, a 5xx answer."""
+  """A failure worth retrying: a dropped connection, a timeout, a 5xx answer.
+
+  `unreachable`: no connection could be made (refused, no route); when the
+  retries run out this becomes HostUnreachable, not a plain DownloadError.
+  """
+
+  def __init__(self, message: str, unreachable: bool = False):
+    super().__init__(message)
+    self.unreachable = unreachable
+
+
+def _host(url: str) -> str:
+  return urllib.parse.urlparse(http_url(url)).hostname or url
+
+
+def _unresolved(reason) -> bool:
+  """Whether a connection failed because the host name does not resolve."""
+  return isinstance(reason, socket.gaierror) or any(m in str(reason) for m in _UNRESOLVED)
+
+
+def _gave_up(url: str, message: str, last: _Transient) -> DownloadError:
+  """The error for an item whose retries ran out on `last`."""
+  if last.unreachable:
+    return HostUnreachable(f'{message}; nothing answers at {_host(url)}: check that the server '
+                           'is up and the host and port in the URL.', url, _host(url))
+  return DownloadError(message + '.', url)
 
 
 def http_url(url: str) -> str:
@@ -115,7 +164,13 @@ def _request(url: str, timeout: float, method: str = 'GET', start: int = 0):
                         f'{fix.get(e.code, "the server refused the request")}.', url,
                         e.code) from e
   except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-    raise _Transient(f'{type(e).__name__}: {getattr(e, "reason", e)}') from e
+    reason = getattr(e, 'reason', e)
+    if _unresolved(reason):  # retrying a lookup that failed only repeats it
+      host = _host(url)
+      raise HostUnreachable(f'{url}: the host {host} does not resolve ({reason}): there is no '
+                            'network, or the host name is wrong.', url, host, False) from e
+    raise _Transient(f'{type(e).__name__}: {reason}',
+                     getattr(reason, 'errno', None) in _NO_ROUTE) from e
 
 
 def remote_size(url: str, *, timeout: float = 60.0) -> int | None:
@@ -135,8 +190,8 @@ def remote_size(url: str, *, timeout: float = 60.0) -> int | None:
         return int(length) if length and length.isdigit() else None
     except _Transient as e:
       if attempt == 2:
-        raise DownloadError(f'{url}: HEAD failed 3 times ({e}); check the network and the URL, '
-                            'then retry.', url) from e
+        raise _gave_up(url, f'{url}: HEAD failed 3 times ({e}); check the network and the URL, '
+                       'then retry', e) from e
       time.sleep(0.5 * 2**attempt)
     except urllib.error.HTTPError:  # 416 on a HEAD: size unknown
       return None
@@ -319,8 +374,10 @@ def _fetch_one(item: Item, retries: int, backoff: float, timeout: float,
     except _Transient as e:
       attempt += 1
       if attempt > retries:
-        raise DownloadError(f'{item.url}: failed after {retries + 1} attempts ({e}); the '
-                            f'partial file {part} is kept: rerun to resume it.', item.url) from e
+        kept = (f'; the partial file {part} is kept: rerun to resume it'
+                if os.path.exists(part) else '')
+        raise _gave_up(item.url, f'{item.url}: failed after {retries + 1} attempts ({e}){kept}',
+                       e) from e
       time.sleep(backoff * 2**(attempt - 1))
       continue
     problem = _verify(item, part)
@@ -344,6 +401,7 @@ def fetch(items: Sequence[Item], *, workers: int = 8, retries: int = 5, backoff:
 
   Raises DownloadError once every item has finished or failed, listing each
   failure; completed items stay in place, partial ones as `.part` to resume.
+  A HostUnreachable failure starts no further item and is the one raised.
   """
   dests = [os.path.abspath(i.dest) for i in items]
   if len(set(dests)) != len(dests):
@@ -358,12 +416,26 @@ def fetch(items: Sequence[Item], *, workers: int = 8, retries: int = 5, backoff:
   bar = _Progress(progress, sum(i.size or 0 for i in items))
   downloaded = skipped = moved = 0
   failures: list[tuple[str, str, int | None]] = []
+  unreachable: list[HostUnreachable] = []
+  stop = threading.Event()
+
+  def one(item: Item) -> tuple[bool, int] | None:
+    if stop.is_set():
+      return None  # not attempted: its host is unreachable
+    try:
+      return _fetch_one(item, retries, backoff, timeout, bar)
+    except HostUnreachable:
+      stop.set()  # here, before this worker takes the next item
+      raise
+
   with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(items)))) as pool:
-    futures = {pool.submit(_fetch_one, item, retries, backoff, timeout, bar): item
-               for item in items}
+    futures = {pool.submit(one, item): item for item in items}
     for future in concurrent.futures.as_completed(futures):
       try:
-        got, n = future.result()
+        result = future.result()
+      except HostUnreachable as e:
+        unreachable.append(e)
+        continue
       except DownloadError as e:
         failures.append((futures[future].url, str(e), e.status))
         continue
@@ -371,8 +443,17 @@ def fetch(items: Sequence[Item], *, workers: int = 8, retries: int = 5, backoff:
         failures.append((futures[future].url, f'{futures[future].dest}: {e}; free space or fix '
                          'permissions, then rerun to resume.', None))
         continue
-      downloaded, skipped, moved = downloaded + got, skipped + (not got), moved + n
+      if result is not None:
+        got, n = result
+        downloaded, skipped, moved = downloaded + got, skipped + (not got), moved + n
   bar.finish()
+  if unreachable:
+    first = min(unreachable, key=lambda e: e.url)
+    left = len(items) - downloaded - skipped - len(failures) - len(unreachable)
+    more = f' ({left} more files not attempted).' if left else '.'
+    raise HostUnreachable(str(first).removesuffix('.') + more, first.url, first.host,
+                          first.resolved, [(e.url, str(e)) for e in unreachable] +
+                          [(u, m) for u, m, _ in failures])
   if failures:
     failures.sort()
     more = f' (and {len(failures) - 1} more failed: {[f[0] for f in failures[1:6]]})' \

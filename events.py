@@ -45,7 +45,7 @@ def _crc32c_table() -> list[int]:
 _CRC_TABLE = _crc32c_table()
 
 
-def _crc32c_python(data: bytes) -> int:
+def crc32c_python(data: bytes) -> int:
   crc = 0xFFFFFFFF
   for byte in data:
     crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
@@ -55,7 +55,7 @@ def _crc32c_python(data: bytes) -> int:
 try:  # C speed where google-crc32c is installed (~5 MB/s in pure Python; writes are tiny)
   from google_crc32c import value as crc32c  # pylint: disable=g-import-not-at-top
 except ImportError:
-  crc32c = _crc32c_python
+  crc32c = crc32c_python
 
 
 def masked_crc32c(data: bytes) -> int:

@@ -21,7 +21,8 @@ Parameters (the checkpoint format; layer i is row i of every [L, ...] array):
   mlp_norm/scale       [L, D]          (applied to the MLP output)
   final_norm/scale     [D]
   lm_head/w            [D, V]
-Weights are stored [in, out] (HF stores [out, in]; convert.py transposes).
+Weights are stored [in, out] (HF stores [out, in]; hf_ckpt.py transposes).
+`param_shapes` is this table in code.
 """
 
 import math
@@ -38,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 
 Params = dict[str, dict[str, jax.Array]]
-BATCH_AXES = ('data', 'fsdp')  # mesh axes the batch is split over (train.make_mesh)
+BATCH_AXES = ('data', 'fsdp')  # mesh axes the batch is split over (sharding.make_mesh)
 # The config fields that fix the weights' shapes and the function they compute.
 ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim',
                       'mlp_hidden', 'vocab_size', 'layer_pattern', 'sliding_window',
@@ -169,7 +170,7 @@ def positions(cfg: ml_collections.ConfigDict, b: int, t: int,
   packed documents; the code Ai2 ran stage 3 with kept 0..T-1 (docs/long_context.md).
   """
   position_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-  if not (cfg.get('rope_document_positions', False) and segment_ids_BT is not None):
+  if not (cfg.rope_document_positions and segment_ids_BT is not None):
     return position_BT
   starts_BT = jnp.pad(segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1], ((0, 0), (1, 0)),
                       constant_values=True)
@@ -199,6 +200,39 @@ def apply_rope(x_BTHK: jax.Array, cos_BTk: jax.Array, sin_BTk: jax.Array) -> jax
   return (x_BTH2k * cos + rotated_BTH2k * sin).reshape(b, t, h, k).astype(x_BTHK.dtype)
 
 
+# --- Attention, the equation ------------------------------------------------
+
+
+def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, *,
+                        window: int | None = None, segment_ids_BT: jax.Array | None = None
+                        ) -> jax.Array:
+  """softmax(q k^T / sqrt(K) + mask) v per kv-head group: what every kernel computes.
+
+  The mask lets query i see key j when j <= i (causal), i - j < window (a
+  sliding layer), and both lie in the same document (segment ids). Softmax in
+  float32 (float64 if given float64), output in q's dtype. It materialises
+  the [B, G, R, T, T] logits, so it is the definition the kernels/ paths are
+  tested against (and a baseline in bench/), not what training runs: `_block`
+  calls `ops.attention`, the implementation cfg.attention_impl selects.
+  """
+  b, t, h, k = q_BTHK.shape
+  g = k_BTGK.shape[2]
+  dtype = jnp.promote_types(q_BTHK.dtype, jnp.float32)
+  q_BTGRK = q_BTHK.astype(dtype).reshape(b, t, g, h // g, k)
+  logits_BGRTS = jnp.einsum('btgrk,bsgk->bgrts', q_BTGRK, k_BTGK.astype(dtype)) * k**-0.5
+  qpos_T1, kpos_1S = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  mask_TS = kpos_1S <= qpos_T1
+  if window is not None:
+    mask_TS &= qpos_T1 - kpos_1S < window
+  mask_BTS = jnp.broadcast_to(mask_TS, (b, t, t))
+  if segment_ids_BT is not None:
+    mask_BTS &= segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS, jnp.finfo(dtype).min)
+  probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1)
+  o_BTGRK = jnp.einsum('bgrts,bsgk->btgrk', probs_BGRTS, v_BTGK.astype(dtype))
+  return o_BTGRK.reshape(b, t, h, k).astype(q_BTHK.dtype)
+
+
 # --- The block and the stack ------------------------------------------------
 
 
@@ -223,7 +257,7 @@ def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
   q_BTHK = checkpoint_name(q_BTHK, 'query')
   k_BTGK = checkpoint_name(k_BTGK, 'key')
   v_BTGK = checkpoint_name(v_BTGK, 'value')
-  # softmax(q k^T / sqrt(K) + causal/window/document mask) v, per kv-head group.
+  # reference_attention's equation, on the implementation cfg.attention_impl selects.
   o_BTHK = ops.attention(q_BTHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=segment_ids_BT)
   o_BTHK = checkpoint_name(o_BTHK, 'attention_out')
   attn_BTD = mm(o_BTHK.reshape(b, t, -1), w['w_o'])
@@ -245,26 +279,49 @@ def _trunc_normal(cfg: ml_collections.ConfigDict) -> hk.initializers.Initializer
   return init
 
 
-def _layer_params(cfg: ml_collections.ConfigDict) -> dict[str, jax.Array]:
-  """Creates (init) or fetches (apply) the [L, ...] stacked layer weights."""
-  L, D, F = cfg.num_layers, cfg.d_model, cfg.mlp_hidden
+def param_shapes(cfg: ml_collections.ConfigDict) -> dict[str, dict[str, tuple[int, ...]]]:
+  """{module: {name: shape}} of every parameter: the one table of the checkpoint format.
+
+  `_forward` creates its parameters from it, `param_count` counts it, and the
+  converters (hf_ckpt.py, olmo_core_ckpt.py) check and place tensors by it.
+  """
+  L, D, F, V = cfg.num_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
   HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  dtype = jnp.dtype(cfg.param_dtype)
-  normal, ones = _trunc_normal(cfg), jnp.ones
-  shapes = {
-      'attention': {'w_q': (D, HK), 'w_k': (D, GK), 'w_v': (D, GK),
-                    'w_o': (HK, D), 'q_norm': (HK,), 'k_norm': (GK,)},
-      'attention_norm': {'scale': (D,)},
-      'mlp': {'w_gate': (D, F), 'w_up': (D, F), 'w_down': (F, D)},
-      'mlp_norm': {'scale': (D,)},
+  return {
+      'embed': {'embedding': (V, D)},
+      'attention': {'w_q': (L, D, HK), 'w_k': (L, D, GK), 'w_v': (L, D, GK),
+                    'w_o': (L, HK, D), 'q_norm': (L, HK), 'k_norm': (L, GK)},
+      'attention_norm': {'scale': (L, D)},
+      'mlp': {'w_gate': (L, D, F), 'w_up': (L, D, F), 'w_down': (L, F, D)},
+      'mlp_norm': {'scale': (L, D)},
+      'final_norm': {'scale': (D,)},
+      'lm_head': {'w': (D, V)},
   }
+
+
+LAYER_MODULES = ('attention', 'attention_norm', 'mlp', 'mlp_norm')  # the [L, ...] stacked ones
+
+
+def _params(cfg: ml_collections.ConfigDict, module: str) -> dict[str, jax.Array]:
+  """Creates (init) or fetches (apply) the parameters of one `param_shapes` module.
+
+  Norm scales start at one, every weight at the truncated normal.
+  """
+  out = {}
+  with hk.name_scope(module):  # once per module: a second scope would be 'module_1'
+    for name, shape in param_shapes(cfg)[module].items():
+      ones = name == 'scale' or name.endswith('_norm')
+      out[name] = hk.get_parameter(name, shape, jnp.dtype(cfg.param_dtype),
+                                   init=jnp.ones if ones else _trunc_normal(cfg))
+  return out
+
+
+def _layer_params(cfg: ml_collections.ConfigDict) -> dict[str, jax.Array]:
+  """The [L, ...] stacked layer weights, keyed by name (a block norm by its module)."""
   layer = {}
-  for module, params in shapes.items():
-    with hk.name_scope(module):
-      for name, shape in params.items():
-        init = ones if name.endswith('norm') or name == 'scale' else normal
-        key = module if name == 'scale' else name
-        layer[key] = hk.get_parameter(name, (L, *shape), dtype, init=init)
+  for module in LAYER_MODULES:
+    for name, value in _params(cfg, module).items():
+      layer[module if name == 'scale' else name] = value
   return layer
 
 
@@ -272,10 +329,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
              positions_BT: jax.Array | None, cfg: ml_collections.ConfigDict
              ) -> jax.Array:
   dtype = jnp.dtype(cfg.dtype)
-  with hk.name_scope('embed'):
-    embedding_VD = hk.get_parameter(
-        'embedding', (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype),
-        init=_trunc_normal(cfg))
+  embedding_VD = _params(cfg, 'embed')['embedding']
   x_BTD = constrain_batch(jnp.take(embedding_VD, tokens_BT, axis=0).astype(dtype))
   layer = _layer_params(cfg)
 
@@ -303,23 +357,18 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
              for name, value in layer.items()}
   x_BTD, _ = jax.lax.scan(group, x_BTD, grouped)
 
-  with hk.name_scope('final_norm'):
-    scale_D = hk.get_parameter('scale', (cfg.d_model,), jnp.dtype(cfg.param_dtype),
-                               init=jnp.ones)
-  with hk.name_scope('lm_head'):
-    hk.get_parameter('w', (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype),
-                     init=_trunc_normal(cfg))
+  scale_D = _params(cfg, 'final_norm')['scale']
+  _params(cfg, 'lm_head')  # created here, applied by `head` (or inside loss.sums)
   return rms_norm(x_BTD, scale_D, cfg.norm_eps)
 
 
 def build(cfg: ml_collections.ConfigDict) -> hk.Transformed:
   """init(rng, tokens_BT) -> params; apply(params, tokens_BT, ...) -> final-normed h_BTD.
 
-  The output head is applied by the caller (`logits`, or the chunked loss in
-  optim.py) so that no [B, T, V] float32 array has to exist.
+  The output head is applied by the caller (`head`, or the chunked loss in
+  loss.py) so that no [B, T, V] float32 array has to exist. The config is
+  checked once, by the entry point (`validate`).
   """
-  validate(cfg)
-
   def fn(tokens_BT, segment_ids_BT=None, positions_BT=None):
     return _forward(tokens_BT, segment_ids_BT, positions_BT, cfg)
   return hk.without_apply_rng(hk.transform(fn))
@@ -329,24 +378,36 @@ def init_params(cfg: ml_collections.ConfigDict, rng: jax.Array) -> Params:
   return build(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))
 
 
+def head_weight(params: Params, dtype: Any, vocab_size: int | None = None) -> jax.Array:
+  """The output head's [D, V] weight in compute dtype, its first `vocab_size` columns if given.
+
+  The tokenizer's vocab can be smaller than the padded embedding (Olmo 3:
+  100,278 of 100,352); scoring and sampling drop the padding columns.
+  """
+  w_DV = params['lm_head']['w']
+  return (w_DV if vocab_size is None else w_DV[:, :vocab_size]).astype(dtype)
+
+
+def head(params: Params, h_BTD: jax.Array, vocab_size: int | None = None) -> jax.Array:
+  """Float32 logits [..., V] of final-normed hiddens; the matmul runs in their dtype,
+  like HF and OLMo-core. (The training loss applies the same weight a chunk at a
+  time inside loss.sums.)"""
+  return (h_BTD @ head_weight(params, h_BTD.dtype, vocab_size)).astype(jnp.float32)
+
+
 def logits(params: Params, tokens_BT: jax.Array, cfg: ml_collections.ConfigDict,
            segment_ids_BT: jax.Array | None = None) -> jax.Array:
-  """Float32 logits [B, T, V]; the head runs in compute dtype, like HF and OLMo-core."""
-  h_BTD = build(cfg).apply(params, tokens_BT, segment_ids_BT)
-  w_DV = params['lm_head']['w'].astype(h_BTD.dtype)
-  return (h_BTD @ w_DV).astype(jnp.float32)
+  """Float32 logits [B, T, V] of a token batch."""
+  return head(params, build(cfg).apply(params, tokens_BT, segment_ids_BT))
 
 
 # --- Counting -----------------------------------------------------------------
 
 
 def param_count(cfg: ml_collections.ConfigDict) -> int:
-  """Exact number of parameters (equals the size of `init_params`' tree)."""
-  D, F = cfg.d_model, cfg.mlp_hidden
-  HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  per_layer = (D * HK + 2 * D * GK + HK * D + HK + GK  # attention + QK-norms
-               + 3 * D * F + 2 * D)  # SwiGLU + the two block norms
-  return 2 * cfg.vocab_size * D + cfg.num_layers * per_layer + D
+  """Exact number of parameters (the size of `init_params`' tree)."""
+  return sum(math.prod(shape) for module in param_shapes(cfg).values()
+             for shape in module.values())
 
 
 def attended_pairs(seq_len: int, window: int | None) -> int:

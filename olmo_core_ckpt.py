@@ -1,7 +1,7 @@
 """OLMo-core step directories <-> our checkpoints: weights, AdamW moments, step, data position.
 
-    python convert.py --from_olmo_core=STEP_DIR_OR_URL --to=CKPT   # OLMo-core -> ours
-    python convert.py --from_ckpt=CKPT --to_olmo_core=STEP_DIR      # ours -> OLMo-core
+    python convert.py --from_olmo_core=STEP_DIR_OR_URL --to=WORKDIR   # OLMo-core -> ours
+    python convert.py --from_ckpt=CKPT --to_olmo_core=STEP_DIR         # ours -> OLMo-core
 
 An OLMo-core step directory (docs/olmo_core_checkpoints.md has the details):
 
@@ -21,7 +21,9 @@ pickled bytes. The Adam count is the optimizer state's `step`, which can be the
 trainer step + 1 (OLMo-core's step-0 checkpoint runs one zero-gradient, lr=0
 optimizer step); it is read from the state, never from global_step. OLMo-core
 does not save the skip-step history, so a converted run starts with an empty
-window, as OLMo-core's own resume does.
+window, as OLMo-core's own resume does. config.json is translated by
+olmo_core_config.py; the data position by `loader_state`, `past_epoch_end` and
+`olmo_core_position` (an epoch's last step is written the way each side reads it).
 
 Both directions stream one layer of one tensor at a time (checkpoint.save_streamed,
 checkpoint.read_array), and the vocabulary-sized arrays in row blocks, so host memory
@@ -49,10 +51,12 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-import convert
+import ckpt_files
 import data
-from configs import olmo3_7b
 import model
+import olmo_core_config
+from olmo_core_config import OlmoCoreCheckpointError
+import token_files
 
 OLMO_CORE_VERSION = '3.0.0'  # the version whose format this module reads and writes
 EXTRA = "pip install '.[olmo-core]'"
@@ -73,10 +77,6 @@ GLOBAL = {'embeddings.weight': ('embed', 'embedding'),  # [V, D] on both sides
           'lm_head.norm.weight': ('final_norm', 'scale'),
           'lm_head.w_out.weight': ('lm_head', 'w')}  # [V, D] there, [D, V] here
 GROUP_FIELDS = ('lr', 'betas', 'eps', 'weight_decay', 'initial_lr')  # OLMo-core 3.0.0's groups
-
-
-class OlmoCoreCheckpointError(ValueError):
-  """An OLMo-core step directory that is incomplete, damaged or not an Olmo 3."""
 
 
 def _torch():
@@ -243,7 +243,7 @@ class Reader:
 
 
 def _read_json(path: str) -> dict:
-  return convert.read_json(path, OlmoCoreCheckpointError, 'download it again')
+  return ckpt_files.read_json(path, OlmoCoreCheckpointError, 'download it again')
 
 
 def read_trainer_state(step_dir: str) -> dict | None:
@@ -258,172 +258,7 @@ def read_trainer_state(step_dir: str) -> dict | None:
                                   'it again.') from e
 
 
-# --- Config translation ----------------------------------------------------------------------
-
-
-def _get(d: dict, *path, default=None):
-  for key in path:
-    if not isinstance(d, dict) or key not in d:
-      return default
-    d = d[key]
-  return d
-
-
-def config_from_olmo_core(oc: dict, data_paths: list[str], base: ml_collections.ConfigDict
-                          | None = None) -> ml_collections.ConfigDict:
-  """Our run config from OLMo-core's config.json, on top of `base` (default: the 7B's).
-
-  What config.json does not say keeps base's value: the data files' location,
-  checkpoint cadence, mesh, kernels.
-  """
-  cfg = base if base is not None else olmo3_7b.get_config()
-  mc = oc.get('model')
-  if not isinstance(mc, dict) or 'd_model' not in mc:
-    raise OlmoCoreCheckpointError("config.json has no 'model' section with d_model; it is not "
-                                  'an OLMo-core experiment config.')
-  m, mixer = cfg.model, _mixer(mc.get('block') or {})
-  if not mixer:
-    raise OlmoCoreCheckpointError("config.json's model.block has no attention settings "
-                                  "('sequence_mixer', or 'attention' in older OLMo-core).")
-  if _get(mc, 'block', 'name', default='reordered_norm') != 'reordered_norm':
-    raise OlmoCoreCheckpointError(f"block {mc['block']['name']!r} is not Olmo 3's reordered_norm.")
-  m.num_layers, m.d_model, m.vocab_size = mc['n_layers'], mc['d_model'], mc['vocab_size']
-  m.num_heads = mixer.get('n_heads', m.num_heads)
-  m.num_kv_heads = mixer.get('n_kv_heads') or m.num_heads
-  m.head_dim = m.d_model // m.num_heads
-  m.mlp_hidden = _get(mc, 'block', 'feed_forward', 'hidden_size', default=m.mlp_hidden)
-  m.norm_eps = _get(mc, 'block', 'layer_norm', 'eps', default=m.norm_eps)
-  window = mixer.get('sliding_window') or {}
-  pattern = window.get('pattern') or [-1]
-  per_layer = [pattern[i % len(pattern)] for i in range(m.num_layers)]
-  if window.get('force_full_attention_on_first_layer'):
-    per_layer[0] = -1
-  if window.get('force_full_attention_on_last_layer'):
-    per_layer[-1] = -1
-  widths = {w for w in per_layer if w != -1}
-  if len(widths) > 1:
-    raise OlmoCoreCheckpointError(f'sliding windows {sorted(widths)}: one width is supported.')
-  m.layer_pattern = convert._periodic_pattern(  # pylint: disable=protected-access
-      ['full_attention' if w == -1 else 'sliding_attention' for w in per_layer])
-  m.sliding_window = widths.pop() if widths else m.sliding_window
-  m.sliding_window_plus_one = False  # OLMo-core 3.0.0: window W is (i-W, i]
-  _translate_rope(mc, m, [i for i, w in enumerate(per_layer) if w == -1])
-
-  d, ds, dl = cfg.data, oc.get('dataset') or {}, oc.get('data_loader') or {}
-  d.seq_len = ds.get('sequence_length', d.seq_len)
-  tok = ds.get('tokenizer') or {}
-  d.vocab_size = tok.get('vocab_size', d.vocab_size)
-  d.eos_token_id = tok.get('eos_token_id', d.eos_token_id)
-  d.pad_token_id = tok.get('pad_token_id', d.pad_token_id)
-  if 'global_batch_size' in dl:
-    d.global_batch_size = dl['global_batch_size'] // d.seq_len  # OLMo-core counts tokens
-  d.seed = dl.get('seed', d.seed)
-  if data_paths:
-    d.paths, d.mix_file, d.base_dir = tuple(data_paths), '', ''
-
-  o, tm = cfg.opt, oc.get('train_module') or {}
-  optim = tm.get('optim') or {}
-  if optim and 'skipstepadamw' not in str(optim.get('_CLASS_', '')).lower():
-    raise OlmoCoreCheckpointError(f"optimizer {optim.get('_CLASS_')} is not SkipStepAdamW.")
-  if optim.get('step_increment_bugfix') is False:
-    raise OlmoCoreCheckpointError('step_increment_bugfix=False: OLMo-core never advanced the '
-                                  'Adam count, which our optimizer cannot express.')
-  o.lr = optim.get('lr', o.lr)
-  o.b1, o.b2 = optim.get('betas', (o.b1, o.b2))
-  o.eps = optim.get('eps', o.eps)
-  o.weight_decay = optim.get('weight_decay', o.weight_decay)
-  o.skip_window = optim.get('rolling_interval_length', o.skip_window)
-  o.skip_sigma = float(optim.get('sigma_factor', o.skip_sigma))
-  o.clip_grad_norm = tm.get('max_grad_norm') or 0.0
-  o.z_loss = tm.get('z_loss_multiplier') or 0.0
-  steps = _get(oc, 'trainer', 'max_duration')
-  if isinstance(steps, dict) and steps.get('unit') == 'steps':
-    cfg.train.steps = int(steps['value'])
-  elif isinstance(steps, dict) and steps.get('unit') == 'tokens':
-    cfg.train.steps = int(steps['value']) // (d.global_batch_size * d.seq_len)
-  _translate_schedule(tm.get('scheduler') or {}, o, cfg.train.steps)
-  return cfg
-
-
-def _mixer(block: dict) -> dict:
-  """A block's attention settings: `sequence_mixer`, or `attention` in configs written by
-  older OLMo-core (3.0.0's TransformerBlockConfig still reads both)."""
-  return block.get('sequence_mixer') or block.get('attention') or {}
-
-
-def _without_scaling(block: dict) -> str:
-  block = json.loads(json.dumps(block))
-  (_mixer(block).get('rope') or {}).pop('scaling', None)
-  return json.dumps(block, sort_keys=True)
-
-
-def _translate_rope(mc: dict, m: ml_collections.ConfigDict, full_layers: list[int]) -> None:
-  """m.rope_theta and m.yarn from the block's RoPE and its per-layer overrides.
-
-  Stage 3 (OLMo-core `TransformerConfig.with_rope_scaling(YaRN)`, full-attention
-  layers only) keeps the block and adds `block_overrides`: a copy of the block per
-  full-attention layer whose RoPE has `scaling`. model.py applies cfg.model.yarn to
-  exactly those layers, so only that form translates.
-  """
-  block = mc.get('block') or {}
-  m.rope_theta = float((_mixer(block).get('rope') or {}).get('theta', m.rope_theta))
-  overrides = {int(i): b for i, b in (mc.get('block_overrides') or {}).items()}
-  scaled = {}
-  for i in range(m.num_layers):
-    if i in overrides and _without_scaling(overrides[i]) != _without_scaling(block):
-      raise OlmoCoreCheckpointError(f'block_overrides[{i}] changes more than the RoPE scaling; '
-                                    'layers that differ otherwise cannot be translated.')
-    scaling = (_mixer(overrides.get(i, block)).get('rope') or {}).get('scaling')
-    if scaling:
-      scaled[i] = scaling
-  m.yarn.enabled = bool(scaled)
-  if not scaled:
-    return
-  if sorted(scaled) != full_layers:
-    raise OlmoCoreCheckpointError(
-        f'RoPE scaling on layers {sorted(scaled)}; ours applies YaRN to exactly the '
-        f'full-attention layers {full_layers} (OLMo-core with_rope_scaling(..., '
-        'full_attn_layers_only=True), as Olmo 3 stage 3 does).')
-  kinds = {json.dumps(v, sort_keys=True) for v in scaled.values()}
-  y, s = m.yarn, next(iter(scaled.values()))
-  if len(kinds) > 1 or not str(s.get('_CLASS_', '')).endswith('YaRNRoPEScalingConfig'):
-    raise OlmoCoreCheckpointError(f'RoPE scaling {sorted(kinds)[:2]}: only one YaRN setting '
-                                  '(YaRNRoPEScalingConfig) translates to model.yarn.')
-  # OLMo-core YaRNRoPEScalingConfig's defaults, for a config.json that leaves them out.
-  y.factor = float(s.get('factor', 8.0))
-  y.beta_fast, y.beta_slow = float(s.get('beta_fast', 32)), float(s.get('beta_slow', 1))
-  y.original_max_position = int(s.get('old_context_len', 8192))
-  # OLMo-core's attention factor is always 0.1 ln(factor) + 1; model.py's default is that for
-  # factor > 1 and 1 otherwise, so only a factor <= 1 needs it spelled out.
-  y.attention_factor = None if y.factor > 1 else 0.1 * math.log(y.factor) + 1.0
-  # The ramp's top: OLMo-core clamps it at head_dim/2 - 1, HF and model.py at head_dim - 1.
-  k = m.head_dim
-  top = math.ceil(k * math.log(y.original_max_position / (y.beta_slow * 2 * math.pi))
-                  / (2 * math.log(m.rope_theta)))
-  if top > k // 2 - 1:
-    raise OlmoCoreCheckpointError(f'YaRN with head_dim {k}, theta {m.rope_theta:g}, '
-                                  f'beta_slow {y.beta_slow:g}: OLMo-core and HF clamp the ramp '
-                                  'differently here, so model.yarn cannot match it.')
-
-
-def _translate_schedule(sched: dict, o: ml_collections.ConfigDict, steps: int) -> None:
-  kind = str(sched.get('_CLASS_', '')).rsplit('.', 1)[-1]
-  if not kind:
-    return
-  warmup = sched.get('warmup') if sched.get('warmup') is not None else sched.get('warmup_steps')
-  t_max = sched.get('t_max') or steps
-  if sched.get('units', 'steps') != 'steps' or warmup is None:
-    raise OlmoCoreCheckpointError(f'scheduler {sched}: only step-based warmups translate.')
-  o.final_lr = o.lr * sched.get('alpha_f', 0.1)
-  if kind == 'CosWithWarmup':
-    o.schedule, o.warmup_steps, o.t_max = 'cosine', warmup, t_max
-  elif kind == 'LinearWithWarmup':
-    o.schedule, o.warmup_steps, o.t_max = 'linear', warmup, t_max
-  elif kind == 'HalfCosWithWarmup':  # Ai2's stage-1 part 2; part 1 keeps the 7B recipe's
-    o.schedule, o.part2_warmup, o.part2_t_max = 'olmo3_stitched', warmup, t_max
-  else:
-    raise OlmoCoreCheckpointError(f'scheduler {kind} has no equivalent in optim.SCHEDULES; '
-                                  'pass --config with the schedule to use.')
+# --- The data position ----------------------------------------------------------------------
 
 
 def loader_state(trainer: dict, cfg: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -444,7 +279,8 @@ def loader_state(trainer: dict, cfg: ml_collections.ConfigDict) -> dict[str, Any
            'step': int(dl['batches_processed']),
            'global_batch_size': int(cfg.data.global_batch_size), 'seq_len': int(seq_len),
            'fingerprint': dl['dataset_fingerprint'],
-           'fingerprint_version': dl.get('dataset_fingerprint_version', data.FINGERPRINT_VERSION),
+           'fingerprint_version': dl.get('dataset_fingerprint_version',
+                                         token_files.FINGERPRINT_VERSION),
            'tokens_processed': int(dl.get('tokens_processed', 0))}
   if dl.get('tokens_processed') and state['step'] and (
       dl['tokens_processed'] != state['step'] * cfg.data.global_batch_size * seq_len):
@@ -455,10 +291,51 @@ def loader_state(trainer: dict, cfg: ml_collections.ConfigDict) -> dict[str, Any
   return state
 
 
+def past_epoch_end(state: dict[str, Any], cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`state` at (epoch + 1, step 0) when it is OLMo-core's record of a finished epoch.
+
+  OLMo-core saves an epoch's last step as (epoch, batches_processed = batches in
+  the epoch), and its trainer opens the next epoch on resume; ours names the next
+  batch: (epoch + 1, 0). The batches in an epoch follow from the token files, so
+  the position is normalised when they are here and are the run's (the dataset
+  fingerprint), and kept otherwise: data.Loader reads such a position as the
+  next epoch's step 0 too. The dataset's instance count is recorded with it,
+  which lets the export write OLMo-core's own form back.
+  """
+  if not state['step'] or cfg.data.dataset != 'fsl':
+    return state
+  try:
+    ds = data.Dataset.from_config(cfg.data)
+  except (OSError, ValueError) as e:  # the files are elsewhere: nothing to count here
+    logging.info('Data position kept as OLMo-core wrote it (epoch %d, step %d): the token files '
+                 'are not readable here (%s).', state['epoch'], state['step'], e)
+    return state
+  if ds.fingerprint != state['fingerprint']:
+    return state  # other files: train.py refuses them when it resumes
+  state = dict(state, num_instances=ds.num_instances)
+  if state['step'] == ds.num_instances // state['global_batch_size']:
+    state.update(epoch=state['epoch'] + 1, step=0, tokens_processed=0)
+  return state
+
+
+def olmo_core_position(loader: dict[str, Any]) -> tuple[int, int]:
+  """(epoch, batches_processed) as OLMo-core records our loader position `loader`.
+
+  Ours at (epoch e > 1, step 0) is OLMo-core's (e - 1, batches in an epoch), the
+  form its checkpointer saves at an epoch's last step (its trainer then opens
+  epoch e); known when the state records the dataset's instance count.
+  """
+  epoch, step = int(loader['epoch']), int(loader['step'])
+  if epoch > 1 and step == 0 and loader.get('num_instances'):
+    return epoch - 1, int(loader['num_instances']) // int(loader['global_batch_size'])
+  return epoch, step
+
+
 # --- OLMo-core -> ours ------------------------------------------------------------------------
 
 
-def _decay_settings(reader: Reader, cfg: ml_collections.ConfigDict) -> None:
+def _decay_settings(reader: Reader, cfg: ml_collections.ConfigDict,
+                    sources: dict[str, str]) -> None:
   """cfg.opt.no_decay and weight_decay from the param groups (the only group marker)."""
   decays: dict[str, set] = {}
   for fqn, (module, name), _ in tensor_names(cfg.model.num_layers):
@@ -474,6 +351,8 @@ def _decay_settings(reader: Reader, cfg: ml_collections.ConfigDict) -> None:
                                   'be expressed by cfg.opt.no_decay.')
   cfg.opt.weight_decay = nonzero.pop() if nonzero else 0.0
   cfg.opt.no_decay = tuple(re.escape(p) for p, v in sorted(decays.items()) if v == {0.0})
+  for field in ('opt.weight_decay', 'opt.no_decay'):
+    sources[field] = 'model_and_optim/: optim.param_groups.*.weight_decay'
 
 
 def adam_count(reader: Reader, num_layers: int) -> int | None:
@@ -545,13 +424,13 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
   if not os.path.isdir(step_dir):
     raise FileNotFoundError(f'{step_dir} is not a directory; give an OLMo-core stepN/ '
                             'directory or its URL.')
-  convert.check_destination(out_dir, overwrite)
+  ckpt_files.check_destination(out_dir, overwrite)
   config_path = os.path.join(step_dir, 'config.json')
   if not os.path.exists(config_path):
     raise OlmoCoreCheckpointError(f'{config_path} is missing: the model shape is read from it.')
   paths_file = os.path.join(step_dir, 'data_paths.txt')
   data_paths = (open(paths_file).read().split() if os.path.exists(paths_file) else [])
-  translated = config_from_olmo_core(_read_json(config_path), data_paths)
+  translated, sources = olmo_core_config.translate(_read_json(config_path), data_paths)
   inner = os.path.join(step_dir, 'model_and_optim')
   reader = Reader(inner if os.path.isdir(inner) else step_dir)  # weights-only: top level
   trainer = read_trainer_state(step_dir)
@@ -561,8 +440,8 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
     raise OlmoCoreCheckpointError(f'{reader.directory} lacks {len(missing)} weights, e.g. '
                                   f'{missing[:3]}; it is not an Olmo 3 of this config.json.')
   count = adam_count(reader, m.num_layers)
-  _decay_settings(reader, translated)
-  cfg = translated if base is None else _checked_base(base, translated)
+  _decay_settings(reader, translated, sources)
+  cfg = translated if base is None else olmo_core_config.checked_base(base, translated, sources)
   step = int(trainer['global_step']) if trainer else 0
   if count is None:
     logging.warning('%s has no optimizer state (weights only): the AdamW moments and count '
@@ -573,61 +452,23 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
       'path': os.path.abspath(step_dir), 'global_step': step, 'adam_count': count,
       'config': _read_json(config_path)}}
   if trainer:
-    meta['data'] = loader_state(trainer, cfg)
+    meta['data'] = past_epoch_end(loader_state(trainer, cfg), cfg)
     meta['data']['global_train_tokens_seen'] = int(trainer.get('global_train_tokens_seen', 0))
   _write(reader, cfg, out_dir, step, count, meta, overwrite)
   return {'step': step, 'adam_count': count, 'config': cfg, 'moments': count is not None}
 
 
-# What must agree between --config and the OLMo-core run for train.py to continue that run:
-# the weights' shapes and function, and the data order (batch, length, seed). Not
-# model.sliding_window_plus_one: config.json cannot say it (it is the OLMo-core version's
-# window semantics, docs/architecture.md), so --config's is taken, and logged.
-RUN_FIELDS = (*(('model', f) for f in model.ARCHITECTURE_FIELDS),
-              ('data', 'global_batch_size'), ('data', 'seq_len'), ('data', 'seed'))
-
-
-def _checked_base(base: ml_collections.ConfigDict, translated: ml_collections.ConfigDict
-                  ) -> ml_collections.ConfigDict:
-  """The user's --config (stored as the run's), refused where it is not the OLMo-core run.
-
-  The data files are the user's to name (a mix file and base_dir rather than the
-  step's data_paths.txt); the dataset fingerprint in the data position still
-  refuses other files or another order when train.py resumes.
-  """
-  wrong = [f'{g}.{f}={base[g][f]!r} (the checkpoint\'s config.json says {translated[g][f]!r})'
-           for g, f in RUN_FIELDS if base[g][f] != translated[g][f]]
-  if base.model.yarn.to_dict() != translated.model.yarn.to_dict():
-    wrong.append(f'model.yarn={base.model.yarn.to_dict()} (config.json: '
-                 f'{translated.model.yarn.to_dict()})')
-  if wrong:
-    raise OlmoCoreCheckpointError(
-        f'--config does not describe the OLMo-core run: {"; ".join(wrong)}. Set those '
-        '--config.* values to the checkpoint\'s, or use the config convert.py writes without '
-        '--config.')
-  if base.model.sliding_window_plus_one:
-    logging.warning('--config has model.sliding_window_plus_one=True: the windows see W + 1 '
-                    'keys, as OLMo-core before August 2025 (config.json cannot say which).')
-  for group in ('opt', 'train'):
-    for key, value in translated[group].items():
-      plain = lambda v: v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v
-      if key in base[group] and json.dumps(plain(base[group][key])) != json.dumps(plain(value)):
-        logging.warning('--config has %s.%s=%r, the OLMo-core run %r; the run continues with '
-                        '--config\'s.', group, key, base[group][key], value)
-  return base
-
-
 def _write(reader: Reader, cfg, out_dir: str, step: int, count: int | None, meta: dict,
            overwrite: bool) -> None:
   m = cfg.model
-  shapes = convert._shapes(m)  # pylint: disable=protected-access
+  shapes = {(module, name): shape for module, names in model.param_shapes(m).items()
+            for name, shape in names.items()}
   arrays = []
   moments = count is not None
   for prefix, source in (('params', 'model.{}'),
                          ('opt_state/mu', 'optim.state.{}.exp_avg' if moments else None),
                          ('opt_state/nu', 'optim.state.{}.exp_avg_sq' if moments else None)):
-    for key in sorted(shapes):
-      shape = shapes[key] if key in GLOBAL.values() else (m.num_layers, *shapes[key])
+    for key, shape in sorted(shapes.items()):
       arrays.append((f'{prefix}/{key[0]}/{key[1]}', shape, np.float32,
                      *_stacked(reader, m.num_layers, source, key, shape)))
   window = int(cfg.opt.skip_window)
@@ -641,11 +482,10 @@ def _write(reader: Reader, cfg, out_dir: str, step: int, count: int | None, meta
     arrays.append((f'opt_state/{name}', value.shape, dtype, value.shape,
                    lambda value=value: iter([(tuple((0, n) for n in value.shape), value)])))
   out_dir = os.path.abspath(out_dir)
-  staging = os.path.join(os.path.dirname(out_dir),
-                         f'.{os.path.basename(out_dir)}.convert-{secrets.token_hex(4)}')
+  staging = ckpt_files.staging_dir(out_dir)
   try:
     checkpoint.save_streamed(staging, step, arrays, meta)
-    convert._install(staging, out_dir, step)  # pylint: disable=protected-access
+    ckpt_files.install(staging, out_dir, step)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -679,8 +519,8 @@ def fetch(url: str, cache_dir: str | None = None, *,
         raise
       logging.warning('%s/%s is not there (404); continuing without it.', root, optional)
   if base is not None:
-    _checked_base(base, config_from_olmo_core(_read_json(os.path.join(local, 'config.json')),
-                                              []))
+    olmo_core_config.checked_base(
+        base, *olmo_core_config.translate(_read_json(os.path.join(local, 'config.json')), []))
   files = Reader(os.path.join(local, 'model_and_optim')).files()
   download.fetch([item(f'model_and_optim/{f}') for f in files], **kwargs)
   return local
@@ -696,6 +536,8 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
   """
   torch = _torch()
   from torch.distributed.checkpoint import metadata as dcp  # pylint: disable=import-outside-toplevel
+  # The per-chunk record torch's FileSystemReader (and so OLMo-core's) unpickles: torch
+  # exports no public name for it, and a class of ours would not unpickle there.
   from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchStorageInfo  # pylint: disable=import-outside-toplevel
   if os.path.exists(out_dir):
     raise FileExistsError(f'{out_dir} exists; choose a new --to_olmo_core directory.')
@@ -710,9 +552,9 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
   read = lambda name, box=None: checkpoint.read_array(ckpt_dir, name, box, step)
   count = int(read('opt_state/count'))
   lr = float(read('opt_state/lr'))
+  shapes = ckpt_files.per_layer_shapes(m)
   decayed = {f'{k[0]}/{k[1]}': not any(re.fullmatch(p, f'{k[0]}/{k[1]}')
-                                        for p in cfg.opt.no_decay)
-             for k in convert._shapes(m)}  # pylint: disable=protected-access
+                                        for p in cfg.opt.no_decay) for k in shapes}
 
   tmp = f'{out_dir}.tmp-{secrets.token_hex(4)}'
   inner = os.path.join(tmp, 'model_and_optim')
@@ -741,7 +583,7 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
                            ('exp_avg_sq', 'opt_state/nu')):
         for fqn, key, layer in tensor_names(m.num_layers):
           name = f'{prefix}/{key[0]}/{key[1]}'
-          shape = convert._shapes(m)[key]  # pylint: disable=protected-access
+          shape = shapes[key]
           if layer is None:
             value = _read_global(read, name, fqn, shape)
           else:
@@ -764,9 +606,9 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
       pickle.dump(md, f)
     _write_trainer_state(tmp, step, cfg, meta['data'], torch)
     with open(os.path.join(tmp, 'config.json'), 'w') as f:
-      json.dump(olmo_core_config(cfg), f)
+      json.dump(olmo_core_config.olmo_core_config(cfg), f)
     with open(os.path.join(tmp, 'data_paths.txt'), 'w') as f:
-      f.write('\n'.join(p for p, _ in meta['data'].get('files', [])))
+      f.writelines(f'{p}\n' for p, _ in meta['data'].get('files', []))  # read-loop safe
     with open(os.path.join(tmp, '.metadata.json'), 'w') as f:
       json.dump({'ephemeral': False, 'version': OLMO_CORE_VERSION}, f)
     os.rename(tmp, out_dir)
@@ -792,66 +634,23 @@ def _read_global(read: Callable, name: str, fqn: str, shape: tuple[int, ...]) ->
 def _write_trainer_state(step_dir: str, step: int, cfg, loader: dict, torch) -> None:
   """train/rank0.pt: what OLMo-core's Trainer.load_state_dict reads."""
   tokens = step * cfg.data.global_batch_size * cfg.data.seq_len
+  epoch, batches = olmo_core_position(loader)
   state = {
       'global_step': step,
       'global_train_tokens_seen': loader.get('global_train_tokens_seen', tokens),
-      'max_steps': int(cfg.train.steps), 'epoch': loader['epoch'],
+      'max_steps': int(cfg.train.steps), 'epoch': epoch,
       # No RNG state: Olmo 3 training draws no random numbers (no dropout), and a world
       # size no run has makes OLMo-core skip restoring it.
       'world_size': 0, 'rng': {}, 'callbacks': {},
       'data_loader': {
           'dataset_fingerprint_version': loader.get('fingerprint_version',
-                                                    data.FINGERPRINT_VERSION),
+                                                    token_files.FINGERPRINT_VERSION),
           'dataset_fingerprint': loader['fingerprint'],
-          'batches_processed': loader['step'],
-          'tokens_processed': loader['step'] * cfg.data.global_batch_size * cfg.data.seq_len,
-          'seed': loader['seed'], 'epoch': loader['epoch'], 'dataset_type': 'fsl',
+          'batches_processed': batches,
+          'tokens_processed': batches * cfg.data.global_batch_size * cfg.data.seq_len,
+          'seed': loader['seed'], 'epoch': epoch, 'dataset_type': 'fsl',
           'sequence_length': cfg.data.seq_len,
-          'max_target_sequence_length': cfg.data.get('max_target_sequence_length', -1)
-          if cfg.data.get('max_target_sequence_length', -1) != -1 else cfg.data.seq_len}}
+          'max_target_sequence_length': cfg.data.max_target_sequence_length
+          if cfg.data.max_target_sequence_length != -1 else cfg.data.seq_len}}
   os.makedirs(os.path.join(step_dir, 'train'))
   torch.save(state, os.path.join(step_dir, 'train', 'rank0.pt'))
-
-
-def olmo_core_config(cfg) -> dict:
-  """The parts of an OLMo-core experiment config that config_from_olmo_core reads back."""
-  m, d, o = cfg.model, cfg.data, cfg.opt
-  pattern = [m.sliding_window + int(m.sliding_window_plus_one) if c == 'S' else -1
-             for c in m.layer_pattern]
-  sched = {'cosine': 'CosWithWarmup', 'linear': 'LinearWithWarmup',
-           'olmo3_stitched': 'HalfCosWithWarmup'}.get(o.schedule)
-  block = {'name': 'reordered_norm',
-           'sequence_mixer': {'n_heads': m.num_heads, 'n_kv_heads': m.num_kv_heads,
-                              'rope': {'theta': m.rope_theta},
-                              'sliding_window': {'pattern': pattern,
-                                                 'force_full_attention_on_first_layer': False,
-                                                 'force_full_attention_on_last_layer': False}},
-           'feed_forward': {'hidden_size': m.mlp_hidden}, 'layer_norm': {'eps': m.norm_eps}}
-  overrides = None
-  if m.yarn.enabled:  # as with_rope_scaling(YaRN) writes it: full-attention layers only
-    scaled = json.loads(json.dumps(block))
-    scaled['sequence_mixer']['rope']['scaling'] = {
-        '_CLASS_': 'olmo_core.nn.rope.YaRNRoPEScalingConfig', 'factor': m.yarn.factor,
-        'beta_fast': m.yarn.beta_fast, 'beta_slow': m.yarn.beta_slow,
-        'old_context_len': m.yarn.original_max_position}
-    overrides = {str(i): scaled for i in range(m.num_layers)
-                 if m.layer_pattern[i % len(m.layer_pattern)] == 'F'}
-  return {
-      'model': {'d_model': m.d_model, 'n_layers': m.num_layers, 'vocab_size': m.vocab_size,
-                'block': block, 'block_overrides': overrides},
-      'dataset': {'sequence_length': d.seq_len,
-                  'tokenizer': {'vocab_size': d.vocab_size, 'eos_token_id': d.eos_token_id,
-                                'pad_token_id': d.pad_token_id}},
-      'data_loader': {'global_batch_size': d.global_batch_size * d.seq_len, 'seed': d.seed},
-      'train_module': {
-          'optim': {'_CLASS_': 'olmo_core.optim.adamw.SkipStepAdamWConfig', 'lr': o.lr,
-                    'betas': [o.b1, o.b2], 'eps': o.eps, 'weight_decay': o.weight_decay,
-                    'rolling_interval_length': o.skip_window, 'sigma_factor': o.skip_sigma},
-          'max_grad_norm': o.clip_grad_norm, 'z_loss_multiplier': o.z_loss,
-          'scheduler': sched and {
-              '_CLASS_': f'olmo_core.optim.scheduler.{sched}', 'units': 'steps',
-              'warmup': o.part2_warmup if sched == 'HalfCosWithWarmup' else o.warmup_steps,
-              'alpha_f': o.final_lr / o.lr,
-              't_max': o.part2_t_max if sched == 'HalfCosWithWarmup' else o.t_max}},
-      'trainer': {'max_duration': {'value': int(cfg.train.steps), 'unit': 'steps'}},
-  }

@@ -1,14 +1,14 @@
-"""AdamW with OLMo-core's skip-step rule, the LR schedules and the chunked loss.
+"""AdamW with OLMo-core's skip-step rule, clipping and the LR schedules.
 
-Reference facts: docs/optimizer.md (AdamW, clipping, skip step, the loss) and
+Reference facts: docs/optimizer.md (AdamW, clipping, skip step) and
 docs/recipe.md (schedules). tests/test_optim.py checks every number here against
 OLMo-core itself (`SkipStepAdamW`, its schedulers, its train module's clipping)
 or a float64 numpy formula.
 
-Reading order: LR schedules, the optimizer (state, skip rule, update), the loss.
+Reading order: LR schedules, the optimizer (state, skip rule, update). The
+loss it minimises is loss.py's.
 
-Shapes: B batch, T time, D d_model, V vocab, C positions per logits chunk,
-N chunks per sequence, W skip-step history window.
+Shapes: W skip-step history window.
 """
 
 import math
@@ -21,7 +21,6 @@ import ml_collections
 import numpy as np
 import optax
 
-IGNORE_INDEX = -100  # OLMo-core label_ignore_index
 SCHEDULES = ('cosine', 'olmo3_stitched', 'single_cosine', 'linear')
 
 
@@ -92,7 +91,7 @@ def _finite(x) -> bool:
 def check_config(cfg_opt: ml_collections.ConfigDict) -> None:
   """Refuses settings that cannot train, naming the field, the rule and the fix.
 
-  Runs before anything is built (train.validate), so `--config.opt.lr=inf`
+  Runs before anything is built (config_checks.validate), so `--config.opt.lr=inf`
   fails in a second instead of training NaNs. NaN fails every rule, since
   every comparison with it is false.
   """
@@ -146,9 +145,9 @@ def lr_schedule(cfg_opt: ml_collections.ConfigDict) -> Callable[[Any], Any]:
   """Returns lr(step) for the trainer's global step (the first optimizer step is 1).
 
   A jax array (or tracer) step gives a float32 jax scalar; a Python/numpy step
-  gives a float64 numpy value.
+  gives a float64 numpy value. The config is checked by the entry point
+  (check_config, through config_checks.validate), once.
   """
-  check_config(cfg_opt)
   lr, final_lr, warmup = float(cfg_opt.lr), float(cfg_opt.final_lr), int(cfg_opt.warmup_steps)
   name = cfg_opt.schedule
 
@@ -197,20 +196,20 @@ class SkipStepAdamWState(NamedTuple):
   skipped: jax.Array  # bool []: whether the last update was skipped
 
 
-def _path(key_path) -> str:
+def param_path(key_path) -> str:
   return jax.tree_util.keystr(key_path, simple=True, separator='/')
 
 
 def decay_mask(params: optax.Params, no_decay: tuple[str, ...]) -> Any:
   """True where weight decay applies: paths ('module/param') matching no `no_decay` regex."""
   patterns = [re.compile(p) for p in no_decay]
-  paths = [_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  paths = [param_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   for pattern in patterns:
     if not any(pattern.fullmatch(p) for p in paths):
       raise ValueError(f'cfg.opt.no_decay pattern {pattern.pattern!r} matches no parameter '
                        f'path; the paths are {paths}. Fix the regex (full match).')
   return jax.tree_util.tree_map_with_path(
-      lambda kp, _: not any(p.fullmatch(_path(kp)) for p in patterns), params)
+      lambda kp, _: not any(p.fullmatch(param_path(kp)) for p in patterns), params)
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -242,7 +241,6 @@ def make_optimizer(cfg_opt: ml_collections.ConfigDict
   result with `apply_updates` below. Updates are -0.0 on a skipped step
   (x + -0.0 == x for signed zeros too, where + 0.0 would turn -0.0 into +0.0).
   """
-  check_config(cfg_opt)
   schedule = lr_schedule(cfg_opt)
   b1, b2, eps = float(cfg_opt.b1), float(cfg_opt.b2), float(cfg_opt.eps)
   wd, clip = float(cfg_opt.weight_decay), float(cfg_opt.clip_grad_norm)
@@ -362,118 +360,3 @@ def stage2_reset(opt_state: SkipStepAdamWState) -> SkipStepAdamWState:
       history_len=zero(opt_state.history_len), history_next=zero(opt_state.history_next),
       lr=zero(opt_state.lr), grad_norm=zero(opt_state.grad_norm),
       skipped=zero(opt_state.skipped))
-
-
-# --- Loss -----------------------------------------------------------------------
-
-
-def loss_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
-              instance_mask_B: jax.Array, *, z_loss: float, chunk: int
-              ) -> tuple[jax.Array, jax.Array]:
-  """(CE sum, z_loss * sum(logsumexp^2)) over valid labels, float32.
-
-  Valid: label != -100 and the instance not rejected. The head runs in the
-  hidden's dtype and its logits are upcast to float32 (OLMo-core's LM head
-  under bf16 mixed precision, then `cross_entropy_loss`). With chunk >= T the
-  [B, T, V] float32 logits are kept for the backward (three head matmuls, the
-  fastest). Otherwise they are built C positions at a time inside a scan whose
-  body is rematerialised, so neither pass holds more than one chunk's [B, C, V]
-  logits (and their gradient) at a time, for one extra head matmul.
-  """
-  if hidden_BTD.ndim != 3 or labels_BT.shape != hidden_BTD.shape[:2]:
-    raise ValueError(f'loss_sums: hidden {hidden_BTD.shape} must be [B, T, D] and labels '
-                     f'{labels_BT.shape} [B, T].')
-  b, t, d = hidden_BTD.shape
-  if w_head_DV.ndim != 2 or w_head_DV.shape[0] != d:
-    raise ValueError(f'loss_sums: head {w_head_DV.shape} must be [D={d}, V].')
-  if instance_mask_B.shape != (b,) or instance_mask_B.dtype != jnp.bool_:
-    raise ValueError(f'loss_sums: instance_mask {instance_mask_B.shape} '
-                     f'{instance_mask_B.dtype} must be bool [B={b}].')
-  if chunk < 1:
-    raise ValueError(f'loss_sums: chunk={chunk} must be >= 1 (cfg.opt.loss_chunk).')
-  valid_BT = (labels_BT != IGNORE_INDEX) & instance_mask_B[:, None]
-  targets_BT = jnp.where(valid_BT, labels_BT, 0)
-  w_DV = w_head_DV.astype(hidden_BTD.dtype)
-  if chunk >= t:
-    ce_sum, z_sq_sum = _chunk_sums(w_DV, hidden_BTD, targets_BT, valid_BT)
-    return ce_sum, z_loss * z_sq_sum
-
-  pad = -t % chunk  # padded positions are invalid and so count nowhere
-  if pad:
-    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
-    valid_BT = jnp.pad(valid_BT, ((0, 0), (0, pad)))
-  n = (t + pad) // chunk
-  h_NBCD = hidden_BTD.reshape(b, n, chunk, d).swapaxes(0, 1)
-  y_NBC = targets_BT.reshape(b, n, chunk).swapaxes(0, 1)
-  m_NBC = valid_BT.reshape(b, n, chunk).swapaxes(0, 1)
-  rematted = jax.checkpoint(_chunk_sums, prevent_cse=False)  # scan already blocks CSE
-
-  def body(carry, xs):
-    ce, zz = rematted(w_DV, *xs)
-    return (carry[0] + ce, carry[1] + zz), None
-
-  zero = jnp.zeros([], jnp.float32)
-  (ce_sum, z_sq_sum), _ = jax.lax.scan(body, (zero, zero), (h_NBCD, y_NBC, m_NBC))
-  return ce_sum, z_loss * z_sq_sum
-
-
-@jax.custom_vjp
-def _chunk_sums(w_DV: jax.Array, h_BCD: jax.Array, y_BC: jax.Array, m_BC: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-  """(sum of lse - logit[y], sum of lse^2) over the positions where m is set."""
-  return _chunk_sums_fwd(w_DV, h_BCD, y_BC, m_BC)[0]
-
-
-def _chunk_sums_fwd(w_DV, h_BCD, y_BC, m_BC):
-  # M = B * C rows, flat, and the target logit taken as h . w[:, y] rather
-  # than read from the logits: then the backward's single elementwise pass
-  # is the logits' last reader, and XLA writes their gradient over them in
-  # place (the step's largest buffer once instead of twice; on a CPU every
-  # fresh page costs a fault, every step).
-  h_MD, y_M, m_M = h_BCD.reshape(-1, h_BCD.shape[-1]), y_BC.reshape(-1), m_BC.reshape(-1)
-  logits_MV = (h_MD @ w_DV).astype(jnp.float32)
-  lse_M = jax.nn.logsumexp(logits_MV, axis=-1)
-  target_M = jnp.einsum('md,dm->m', h_MD, jnp.take(w_DV, y_M, axis=1)).astype(jnp.float32)
-  sums = (jnp.sum(jnp.where(m_M, lse_M - target_M, 0.0)),
-          jnp.sum(jnp.where(m_M, jnp.square(lse_M), 0.0)))
-  return sums, (w_DV, h_BCD, y_M, m_M, logits_MV, lse_M)
-
-
-def _chunk_sums_bwd(residuals, cotangents):
-  """d/dlogits = m * (softmax * (g_ce + 2 g_z lse) - g_ce * onehot(y)), built in one pass.
-
-  Hand-written because autodiff's version, on CPU, also writes a transposed
-  copy of the [M, V] gradient for the head's weight gradient (a second full
-  pass over the step's largest array); here both matmuls read the one copy.
-  """
-  w_DV, h_BCD, y_M, m_M, logits_MV, lse_M = residuals
-  g_ce, g_z = cotangents
-  scale_M = jnp.where(m_M, g_ce + 2 * g_z * lse_M, 0.0)
-  target_M = jnp.where(m_M, g_ce, 0.0)
-  onehot_MV = y_M[:, None] == jnp.arange(logits_MV.shape[-1], dtype=y_M.dtype)[None]
-  dlogits_MV = (jnp.exp(logits_MV - lse_M[:, None]) * scale_M[:, None]
-                - jnp.where(onehot_MV, target_M[:, None], 0.0)).astype(h_BCD.dtype)
-  h_MD = h_BCD.reshape(-1, h_BCD.shape[-1])
-  dh_BCD = jnp.einsum('mv,dv->md', dlogits_MV, w_DV).reshape(h_BCD.shape)
-  dw_DV = jnp.einsum('md,mv->dv', h_MD, dlogits_MV)
-  return dw_DV, dh_BCD, None, None
-
-
-_chunk_sums.defvjp(_chunk_sums_fwd, _chunk_sums_bwd)
-
-
-def loss_denominator(labels_BT: jax.Array, instance_mask_B: jax.Array | None = None
-                     ) -> jax.Array:
-  """Label count of the whole global batch that the summed losses are divided by.
-
-  Labels != -100 of kept instances, plus all T positions of each instance the
-  repetition filter rejected: OLMo-core's train module adds
-  `(~instance_mask).sum() * tokens_per_instance` back, so a rejected instance
-  counts as T zero-loss tokens.
-  """
-  valid_BT = labels_BT != IGNORE_INDEX
-  if instance_mask_B is None:
-    return jnp.sum(valid_BT, dtype=jnp.int32)
-  kept = jnp.sum(valid_BT & instance_mask_B[:, None], dtype=jnp.int32)
-  return kept + jnp.sum(~instance_mask_B, dtype=jnp.int32) * labels_BT.shape[1]

@@ -3,7 +3,7 @@
     python plan.py --config=configs/olmo3_7b.py --devices=8 [--target_devices=512]
         [--platform=tpu|gpu|cpu] [--chip=v5p]
 
-compiles the real train step (train.make_train_step on train's shardings) for
+compiles the real train step (train.make_train_step on sharding.py's shardings) for
 --devices simulated CPU devices without allocating a single weight: the state
 is `jax.eval_shape`d, the batch is abstract, and XLA's `memory_analysis()` of
 the compiled step gives the per-device argument, output and temporary bytes.
@@ -38,16 +38,18 @@ from typing import Any
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
+import config_checks
 import data
-import guards
 import kernels
 import model
+import optim
+import sharding
 import train
 
 # Per-device memory (decimal GB, vendor spec sheets): TPU v5p 95 GB HBM2e,
@@ -107,11 +109,11 @@ def compile_config(cfg: ml_collections.ConfigDict, platform: str
 
 def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  rows = train.batch_sharding(mesh)
+  rows = sharding.batch_sharding(mesh)
   batch = {'tokens': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'labels': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
            'instance_mask': jax.ShapeDtypeStruct(
-               (B,), jnp.bool_, sharding=NamedSharding(mesh, P(train.BATCH_AXES)))}
+               (B,), jnp.bool_, sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))}
   if cfg.data.document_masking:
     batch['segment_ids'] = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
   return batch
@@ -120,7 +122,7 @@ def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.
 def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled:
   """AOT-compiles the real train step on `devices` and reads its memory analysis."""
   start = time.perf_counter()
-  mesh = train.make_mesh(cfg.train, devices)
+  mesh = sharding.make_mesh(cfg.train, devices)
   step, state, batch, accum = _abstract_step(cfg, mesh)
   memory = step.lower(state, batch).compile().memory_analysis()
   return Compiled(len(devices), dict(mesh.shape), accum, memory.argument_size_in_bytes,
@@ -130,12 +132,13 @@ def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled
 
 def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
   """(jitted train step, abstract state, abstract batch, micro-batches) on `mesh`."""
-  state = train.abstract_state(cfg, mesh)
+  tx = optim.make_optimizer(cfg.opt)
+  state = train.abstract_state(cfg, tx, mesh)
   batch = abstract_batch(cfg, mesh)
-  shards = int(np.prod([mesh.shape[a] for a in train.BATCH_AXES]))
+  shards = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  step = jax.jit(train.make_train_step(cfg, mesh, accum), donate_argnums=0,
+  step = jax.jit(train.make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
                  out_shardings=(shardings, None))
   return step, state, batch, accum
 
@@ -185,13 +188,13 @@ def extrapolate_temp(a: Compiled, b: Compiled, fsdp: int) -> int:
 def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
               platform: str = 'tpu', chip: str = 'v5p', devices: list[Any] | None = None) -> Plan:
   """Compiles on the simulated CPU `devices` (twice when extrapolating) and returns the Plan."""
-  train.validate(cfg)
+  config_checks.validate(cfg)
   devices = devices or jax.devices()
   if devices[0].platform != 'cpu':
     raise ValueError(f'the planner compiles on simulated CPU devices, got {devices[0].platform}; '
                      'run it with JAX_PLATFORMS=cpu.')
   target = target_devices or len(devices)
-  target_shape = train.mesh_shape(cfg.train, target)
+  target_shape = sharding.mesh_shape(cfg.train, target)
   compiled_cfg, attention = compile_config(cfg, platform)
   warning = ''
   if target == len(devices):
@@ -204,7 +207,7 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
                        f'{axis} instead. Set train.mesh_fsdp=-1 and fix the others.')
     half = len(devices) // 2
     pair = (devices[:half], devices)
-    fixed = len(devices) // train.mesh_shape(cfg.train, len(devices))['fsdp']
+    fixed = len(devices) // sharding.mesh_shape(cfg.train, len(devices))['fsdp']
     if half % fixed:  # e.g. context parallelism at full degree: compile on --devices and 2x
       pool = jax.devices()
       if len(pool) < 2 * len(devices):
@@ -221,8 +224,9 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
                  'not describe this step and the target temp is not meaningful.')
   tpu_kernels = ()
   if platform == 'tpu':
-    tpu_kernels = tpu_kernels_in_step(cfg, chip, train.mesh_shape(cfg.train, len(devices)))
-  params_bytes, opt_bytes = train.state_bytes(cfg, target_shape)
+    tpu_kernels = tpu_kernels_in_step(cfg, chip, sharding.mesh_shape(cfg.train, len(devices)))
+  params_bytes, opt_bytes = sharding.state_bytes(
+      train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), target_shape)
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
   batch_shards = target_shape['data'] * target_shape['fsdp']
   int32_rows = 3 if cfg.data.document_masking else 2  # tokens, labels (, segment ids)
@@ -291,6 +295,7 @@ def main(argv: list[str]) -> None:
   if FLAGS.devices < 1 or FLAGS.target_devices < 0:
     raise app.UsageError('--devices must be >= 1 and --target_devices >= 0.')
   # Simulated CPU devices; set before anything touches a backend.
+  kernels.xla.set_cpu_flags()
   jax.config.update('jax_platforms', 'cpu')
   # Twice --devices exist so that a mesh whose fixed axes fill --devices (context
   # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
@@ -311,4 +316,4 @@ if __name__ == '__main__':
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
   FLAGS = flags.FLAGS
-  app.run(main, flags_parser=guards.parse_flags)  # config mistakes in one line
+  app.run(main, flags_parser=config_checks.parse_flags)  # config mistakes in one line

@@ -7,7 +7,7 @@ checks the window layers against the bound 3/4 * causal + diagonal blocks
 (the band (i-W, i] covers 3/4 of the causal triangle when T = 2W).
 
 Part 2 (only when jax's default backend is a TPU) times the Pallas kernel and
-the XLA reference (kernels.reference_attention), forward and forward+backward,
+the XLA reference (model.reference_attention), forward and forward+backward,
 for head_dim 128 and 256 at the same width H*K, sliding and full layers.
 
   .venv/bin/python bench/bench_attention.py
@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # pylint: disable=g-import-not-at-top
+import model  # pylint: disable=g-import-not-at-top
 from kernels import flash_kernels  # pylint: disable=g-import-not-at-top
 
 _SEQ_LEN = flags.DEFINE_integer('seq_len', 8192, 'T (OLMo-core pretrain-1: 8192).')
@@ -111,7 +112,7 @@ def time_on_tpu(seq_len: int, window: int) -> None:
                                            block_q=_BLOCK_Q.value,
                                            block_kv=_BLOCK_KV.value)}
       if _REFERENCE.value:
-        impls['xla'] = kernels.reference_attention
+        impls['xla'] = model.reference_attention
       for name, attn in impls.items():
         fwd = jax.jit(lambda q, k, v, attn=attn, w=w: attn(q, k, v, window=w))
         loss = lambda q, k, v, attn=attn, w=w: jnp.sum(

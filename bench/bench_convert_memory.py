@@ -166,6 +166,7 @@ def main(argv):
   try:
     for layers in map(int, _LAYERS.value):
       src, ckpt = os.path.join(root, f'step{STEP}_L{layers}'), os.path.join(root, f'ours_L{layers}')
+      ckpt = os.path.join(ckpt, 'checkpoints')  # convert.py --from_olmo_core writes a workdir's
       export = os.path.join(root, f'export_L{layers}')
       os.makedirs(src)
       shape = [f'--num_layers={layers}', f'--d_model={_D_MODEL.value}',

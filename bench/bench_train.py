@@ -25,14 +25,19 @@ import sys
 import time
 
 os.environ.pop('XLA_FLAGS', None)  # one real CPU device, not simulated ones
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from kernels import xla  # pylint: disable=g-import-not-at-top,wrong-import-position
+xla.set_cpu_flags()  # as train.py runs
 
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from configs import small  # pylint: disable=g-import-not-at-top,wrong-import-position
 import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import optim  # pylint: disable=g-import-not-at-top,wrong-import-position
+import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -62,12 +67,13 @@ class Ours:
   """Our train step on a one-device mesh, state donated step to step."""
 
   def __init__(self, cfg, batch):
-    self.mesh = train.make_mesh(cfg.train)
-    self.state, shardings = train.create_state(cfg, self.mesh, jax.random.key(0))
-    self.step = jax.jit(train.make_train_step(cfg, self.mesh, 1), donate_argnums=0,
+    self.mesh = sharding.make_mesh(cfg.train)
+    tx = optim.make_optimizer(cfg.opt)
+    self.state, shardings = train.create_state(cfg, tx, self.mesh, jax.random.key(0))
+    self.step = jax.jit(train.make_train_step(cfg, tx, self.mesh, 1), donate_argnums=0,
                         out_shardings=(shardings, None))
-    sharding = train.batch_sharding(self.mesh)
-    self.batch = data.make_global_batch(batch, sharding, np.arange(len(batch['tokens'])),
+    rows = sharding.batch_sharding(self.mesh)
+    self.batch = data.make_global_batch(batch, rows, np.arange(len(batch['tokens'])),
                                         len(batch['tokens']))
     start = time.perf_counter()
     self.run(1)
@@ -137,7 +143,7 @@ def main() -> None:
   print(f'jax {jax.__version__}, {os.cpu_count()} CPUs, XLA_FLAGS={os.environ.get("XLA_FLAGS")!r}, '
         f'model {model.param_count(cfg.model):,} params, {flops_per_token / 1e6:.1f} MFLOP/token, '
         f'batch {args.batch} x {args.seq_len}', flush=True)
-  peak = max(train.measured_matmul_flops(n) for n in (1024, 2048))
+  peak = max(metrics.measured_matmul_flops(n) for n in (1024, 2048))
   print(f'peak   float32 matmul (XLA): {peak / 1e9:.1f} GFLOP/s', flush=True)
 
   batch = random_batch(cfg, np.random.default_rng(0))

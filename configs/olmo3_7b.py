@@ -57,6 +57,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.path_remap = ()  # 'PREFIX=LOCAL' rewrites, e.g. 's3://ai2-llm/=/data/ai2-llm/'
   c.data.allow_data_change = False  # OLMo-core ignore_fingerprint_mismatch: resume on changed data
   c.data.tokenizer_id = 'allenai/dolma2-tokenizer'  # substituted for {TOKENIZER}
+  # tokenizer.json that decodes the run's samples and names the export's tokenizer;
+  # '' -> the mix's `# tokenizer` line's file (scripts/prepare_data.py writes it), if any.
+  c.data.tokenizer = ''
+  # The tokenizer's settings, stated for Ai2's mixes (which do not describe themselves).
+  # A config may leave them None: then a mix's `# tokenizer` line fills them in, and a
+  # stated value that contradicts that line is refused (config_checks.complete).
   c.data.vocab_size = 100278  # dolma2 tokenizer
   c.data.eos_token_id = 100257  # dolma2 tokenizer
   c.data.pad_token_id = 100277  # dolma2 tokenizer
@@ -64,13 +70,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.global_batch_size = 512  # OLMo-core pretrain-1: 512 x 8192 = 4,194,304 tokens
   c.data.seed = 34521  # OLMo-core pretrain-1: data seed (epoch 1 uses PCG64(seed+1))
   c.data.repetition_filter = False  # Ai2 did not filter for Olmo 3 7B (MaxText did)
-  c.data.document_masking = False  # stages 1-2 attend across documents
+  # Attention within documents (segment ids from the EOS positions): OLMo-core's
+  # generate_doc_lengths, one switch here. Stages 1-2 attend across documents.
+  c.data.document_masking = False
   # 'fsl': OLMo-core NumpyFSLDatasetConfig (stages 1-2, pretrain-1/-2 and midtrain);
   # 'packed': NumpyPackedFSLDatasetConfig (stage 3, OLMo-3-1025-7B-long-context.py).
   c.data.dataset = 'fsl'
-  # OLMo-core generate_doc_lengths: per-instance document lengths -> segment_ids
-  # (intra-document masking); the same switch as document_masking, either turns it on.
-  c.data.generate_doc_lengths = False
   # OLMo-core NumpyDatasetConfig.source_permutation_seed: None keeps the mix order
   c.data.source_permutation_seed = config_dict.placeholder(int)
   c.data.source_group_size = 1  # OLMo-core NumpyPackedFSLDatasetConfig default: files per packing
@@ -83,6 +88,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.cache_dir = ''  # where the global permutation is cached; '' -> <workdir>/data_cache
   c.data.prefetch = 2  # batches prepared ahead by the background thread
   c.data.validation_paths = ()  # held-out token files (e.g. C4-en validation)
+  # OLMo-core NumpyFSLDatasetConfig.max_target_sequence_length (part of the data
+  # fingerprint); -1 means seq_len, as pretrain-1 sets it.
+  c.data.max_target_sequence_length = -1
   c.data.validation_batches = 8  # fixed held-out batches per in-loop eval
 
   c.opt = ml_collections.ConfigDict()
@@ -137,7 +145,7 @@ def get_config() -> ml_collections.ConfigDict:
   # its sigma, so the next steps pass; only a run that keeps producing NaNs or
   # ever-growing spikes skips 100 in a row.
   c.train.max_consecutive_skips = 100
-  # The data guards (ours; guards.RepeatTracker, guards.MemorizationWatch). The
+  # The data guards (ours; health.RepeatTracker, health.MemorizationWatch). The
   # seed's reproduction trained up to 0.22 nats below Ai2's loss with held-out
   # C4 tied: a loader bug repeated sequences and the model memorized them.
   c.train.track_repeats = True  # `data/repeated instances` per step: a bitmap of N bits (90 MB)

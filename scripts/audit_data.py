@@ -1,7 +1,7 @@
 """Audits a config's data: no instance repeats in the planned run, and repeated content.
 
   python scripts/audit_data.py --config=configs/olmo3_7b.py --config.data.mix_file=MIX \
-      [--devices=512] [--steps=N] [--resume_every=1000] [--content] [--ngrams]
+      [--devices=512] [--steps=N] [--resume_every=1000] [--all_epochs] [--content] [--ngrams]
   python scripts/audit_data.py --config=configs/olmo3_7b.py --num_instances=723872768  # order only
 
 1. Order (always). The planned steps are driven through data.Loader itself
@@ -9,12 +9,31 @@
    read is skipped), restarted from its saved state at every resume point.
    Each step's ids are split as the run splits them (W data-parallel ranks,
    A micro-batches each: data.batch_positions, data.grad_accum_steps) and
-   marked in a bitmap of N bits per epoch (guards.mark_seen, shared with the
-   in-loop `data/repeated instances` metric). It proves every instance id is
-   read at most once per epoch, and exactly once in each complete epoch except
-   the tail OLMo-core drops (N mod B). With --num_instances (or a mix whose
-   files are absent but list their sizes) it needs no token files: the order
-   depends only on N, the seed and the epoch.
+   marked in a bitmap of N bits per epoch (health.mark_seen, shared with the
+   in-loop `data/repeated instances` metric). For every epoch driven, it proves
+   each instance id is read at most once, and exactly once in a complete epoch
+   except the tail OLMo-core drops (N mod B). With --num_instances (or a mix
+   whose files are absent but list their sizes) it needs no token files: the
+   order depends only on N, the seed and the epoch.
+
+   A run of at most 4 epochs is driven step by step, every epoch. A longer one
+   reads the same N instances again each epoch, and driving all of them is
+   slow for nothing new (1.4M steps of a 1,200-instance mix: 514 s); it is
+   driven through a few epochs only (audited_epochs: the first two, the last
+   two, the epochs around the first resume at an epoch end and the first
+   resume inside one, the middle one), each stretch started where a resume at
+   its first step must start, and its end position checked against the step
+   count. What is NOT read is vouched for by construction, and the report says
+   so: each epoch's order is a PCG64(seed + epoch) shuffle of the same arange(N)
+   (data.permutation), cut into batches by the same Loader code the audited
+   epochs ran, and train.py refuses a resume that does not land where its step
+   count leads (data.check_position). --all_epochs drives every epoch.
+
+   The report gives epochs as counts and the repetition factor (ids read /
+   distinct ids; past one epoch the distinct ids are taken as all N, so the
+   factor is a lower bound), and warns, on stderr and before the audit runs,
+   when the run reads its data more than 4 times: it names the steps, the data
+   size, and the step count or data that would stop it.
 2. Content (--content): 128-bit hashes of every instance (T tokens) and of
    every document (tokens up to and including each EOS), spilled to --tmp_dir
    in hash buckets so memory stays under --memory_mb; reports identical
@@ -24,8 +43,10 @@
    statistic (the longest run of a period-p pattern, p in [1, 13], in repeats)
    as a histogram, and how many instances its filter (max_count 32) rejects.
 
-Exit code 1 when an instance id repeats or identical instances exist; the
-report (also --json) says where.
+Exit code 1 when an instance id repeats, identical instances exist, or the
+loader's position disagrees with the step count; the report (also --json)
+says where. A mistake (a missing file, a config that
+cannot run) is one `error:` line with errors.py's code (EXIT_DATA, EXIT_USAGE).
 """
 
 import collections
@@ -44,13 +65,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402  (the repository root must be on the path first)
-import guards  # noqa: E402
+import config_checks  # noqa: E402
+import errors  # noqa: E402
+import health  # noqa: E402
+import token_files  # noqa: E402
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 _CHUNK_STEPS = 1024  # steps whose ids are marked in one vectorized call
 _CHUNK_TOKENS = 1 << 22  # tokens hashed per vectorized call
 _MAX_EXAMPLES = 10  # offending ids/files listed per finding
 _MAX_BUCKETS = 256  # hash buckets on disk per kind (instances, documents)
+_FULL_EPOCHS = 4  # runs of at most this many epochs are audited in full, step by step
+_WARN_REPETITION = 4.0  # reading the data more often than this warns (memorisation)
 
 
 # --- The order --------------------------------------------------------------------------------
@@ -64,7 +90,8 @@ class SizedDataset(data.Dataset):
                labels: list[str] | None = None):
     paths = paths or [f'file{i}' for i in range(len(sizes))]
     labels = labels or [''] * len(sizes)
-    self.files = tuple(data.TokenFile(p, s, 0, s // 4, l) for p, s, l in zip(paths, sizes, labels))
+    self.files = tuple(token_files.TokenFile(p, s, 0, s // 4, l)
+                       for p, s, l in zip(paths, sizes, labels))
     self.seq_len, self.vocab_size = seq_len, vocab_size
     self.eos_token_id, self.pad_token_id, self.bos_token_id = eos_token_id, pad_token_id, None
     self.max_target_sequence_length = seq_len
@@ -85,23 +112,105 @@ class _IdLoader(data.Loader):
     return self.ids_at(epoch, step)
 
 
+def plan(num_instances: int, global_batch_size: int, steps: int) -> dict[str, Any]:
+  """How often `steps` global batches read the data: epochs and the repetition factor.
+
+  The repetition factor is ids read / distinct ids read. Within one epoch the
+  ids are distinct (steps x B of them); past one, the distinct ids are taken as
+  all N (the dropped tail differs from epoch to epoch), an upper bound, so the
+  factor is then a lower bound.
+  """
+  B, N = global_batch_size, num_instances
+  per_epoch = N // B
+  if per_epoch == 0:
+    raise ValueError(f'global_batch_size {B} exceeds the {N} instances in the dataset.')
+  read = steps * B
+  return {'instances': N, 'global_batch': B, 'batches_per_epoch': per_epoch, 'steps': steps,
+          'ids_read': read, 'epochs': -(-steps // per_epoch), 'complete_epochs': steps // per_epoch,
+          'repetition': read / min(read, N), 'dropped_tail_per_epoch': N - per_epoch * B}
+
+
+def repetition_warning(p: dict[str, Any], seq_len: int, steps_name: str = 'cfg.train.steps',
+                       limit: float = _WARN_REPETITION) -> str | None:
+  """One line when the planned run reads its data more than `limit` times; else None."""
+  if p['repetition'] <= limit:
+    return None
+  tokens = p['instances'] * seq_len
+  most = int(limit * p['batches_per_epoch'])
+  return (f"WARNING: the planned run reads its data {p['repetition']:,.0f} times over "
+          f"({p['epochs']:,} epochs): {steps_name}={p['steps']:,} steps x {p['global_batch']} "
+          f"instances = {p['ids_read']:,} instances read, but the data holds only "
+          f"{p['instances']:,} instances of {seq_len:,} tokens ({_count(tokens)} tokens, "
+          f"{p['batches_per_epoch']:,} batches per epoch); a model trained on data repeated this "
+          f'often memorises it. Lower {steps_name} to at most {most:,} ({limit:g} epochs), or '
+          f"train on more data (cfg.data.mix_file): one epoch of {p['steps']:,} steps is "
+          f"{p['ids_read']:,} instances ({_count(p['ids_read'] * seq_len)} tokens).")
+
+
+def _count(n: float) -> str:
+  """1234567 -> '1.2M' (for token counts in one-line messages)."""
+  for unit, size in (('T', 1e12), ('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.1f}{unit}'
+  return f'{n:,.0f}'
+
+
+def audited_epochs(epochs: int, per_epoch: int, steps: int, resume_every: int) -> list[int]:
+  """The epochs read in full when not all of them are: where the loader's paths differ.
+
+  The first two and the last two (a start, a rollover, the run's end, possibly
+  partial), the epochs around the first resume landing on an epoch end and the
+  one holding the first resume inside an epoch (the two ways a restart meets
+  an epoch), and the middle one.
+  """
+  chosen = {1, 2, epochs - 1, epochs, (epochs + 1) // 2}
+  if resume_every:
+    at_end = math.lcm(resume_every, per_epoch)
+    if at_end < steps:
+      chosen |= {at_end // per_epoch, at_end // per_epoch + 1}
+    inside = next((k for k in range(resume_every, min(steps, resume_every * per_epoch + 1),
+                                    resume_every) if k % per_epoch), None)
+    if inside is not None:
+      chosen.add(inside // per_epoch + 1)
+  return sorted(e for e in chosen if 1 <= e <= epochs)
+
+
 def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1,
                 micro_batch_size: int | None = None, resume_every: int = 0,
-                cache_dir: str | None = None, progress: bool = False) -> dict[str, Any]:
-  """Drives the planned `steps` through data.Loader; every id once per epoch, or where not."""
+                cache_dir: str | None = None, all_epochs: bool = False,
+                progress: bool = False) -> dict[str, Any]:
+  """Drives the planned `steps` through data.Loader; every id once per epoch, or where not.
+
+  A run of at most _FULL_EPOCHS epochs (or any, with `all_epochs`) is driven
+  step by step. A longer one, which reads the same N instances again each
+  epoch, is driven through audited_epochs() only, each started where
+  data.check_position requires a resume at its first step to be; the rest is
+  vouched for by construction, not by reading (see the module docstring).
+  """
   B, N = cfg_data.global_batch_size, ds.num_instances
-  per_epoch = data.batches_per_epoch(ds, B)
+  report = plan(N, B, steps)
+  per_epoch, epochs = report['batches_per_epoch'], report['epochs']
   positions = data.batch_positions(B, devices)  # row -> global-batch position, rank-major
   mb = micro_batch_size or B // devices
   accum = data.grad_accum_steps(B, devices, mb)
+  full = all_epochs or epochs <= _FULL_EPOCHS
+  audited = list(range(1, epochs + 1)) if full else audited_epochs(epochs, per_epoch, steps,
+                                                                   resume_every)
+  windows = []  # [first step, end step) of each run of consecutive audited epochs
+  for e in audited:
+    begin, end = (e - 1) * per_epoch, min(e * per_epoch, steps)
+    if windows and windows[-1][1] == begin:
+      windows[-1][1] = end
+    else:
+      windows.append([begin, end])
   bitmap = np.zeros((N + 7) // 8, np.uint8)
   marked = collections.Counter()  # epoch -> ids marked
   repeats: list[dict[str, int]] = []  # examples: where repeated ids were read
   resumes = 0
-  loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, cache_dir=cache_dir,
-                     stop_at_epoch_end=True)  # no read-ahead into an epoch the plan never reaches
-  loader.positions = positions  # W ranks: row block r is rank r's instances, in its order
+  lost: list[str] = []  # where the loader's position disagreed with the step count
   chunk: list[tuple[int, int, np.ndarray]] = []  # (epoch, step index in run, ids in row order)
+  to_drive = sum(end - begin for begin, end in windows)
+  driven = 0
   start = time.time()
 
   def flush() -> None:
@@ -113,7 +222,7 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
       if epoch != flush.epoch:
         bitmap[:] = 0
         flush.epoch = epoch
-      again = guards.mark_seen(bitmap, ids)
+      again = health.mark_seen(bitmap, ids)
       marked[epoch] += ids.size
       flush.repeats += again.size
       if again.size and len(repeats) < _MAX_EXAMPLES:
@@ -122,36 +231,101 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
     chunk.clear()
   flush.epoch, flush.repeats = None, 0
 
-  with loader:
-    for k in range(steps):
-      if resume_every and k and k % resume_every == 0:  # as train.py resumes from a checkpoint
-        state = json.loads(json.dumps(loader.state()))
-        loader.close()
-        loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir)
-        loader.positions, loader.stop_at_epoch_end = positions, True
-        resumes += 1
-      try:
-        ids = next(loader)
-      except StopIteration:  # an epoch ended: the next call starts the next one, as the run does
-        ids = next(loader)
-      chunk.append((loader.last_position[0], k, np.asarray(ids)))
-      if len(chunk) == _CHUNK_STEPS:
-        flush()
-        if progress:
-          rate = (k + 1) / max(time.time() - start, 1e-9)
-          sys.stderr.write(f'\rorder: step {k + 1:,}/{steps:,}  {rate:,.0f} steps/s  '
-                           f'ETA {(steps - k - 1) / rate:,.0f}s ')
-    flush()
-    loader.close()
-  if progress:
+  def open_loader(k: int, state: dict[str, Any] | None = None) -> _IdLoader:
+    if state is None:  # where a resume at step k must start (data.check_position)
+      loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, epoch=1 + k // per_epoch,
+                         step=k % per_epoch, cache_dir=cache_dir)
+    else:  # as train.py resumes from a checkpoint, position checked against k
+      loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir)
+    loader.positions = positions  # W ranks: row block r is rank r's instances, in its order
+    loader.stop_at_epoch_end = True  # no read-ahead into an epoch the plan never reaches
+    return loader
+
+  for begin, end in windows:
+    loader = open_loader(begin)
+    try:
+      for k in range(begin, end):
+        if resume_every and k > begin and k % resume_every == 0:
+          state = json.loads(json.dumps(loader.state()))
+          loader.close()
+          try:
+            loader = open_loader(k, state)
+          except ValueError as e:  # the rest of this stretch cannot be driven as the run would
+            lost.append(f"resuming at step {k:,} from the loader's own saved state is refused: "
+                        f'{e}')
+            break
+          resumes += 1
+        try:
+          ids = next(loader)
+        except StopIteration:  # an epoch ended: the next call starts the next one, as the run does
+          ids = next(loader)
+        chunk.append((loader.last_position[0], k, np.asarray(ids)))
+        driven += 1
+        if len(chunk) == _CHUNK_STEPS:
+          flush()
+          if progress:
+            rate = driven / max(time.time() - start, 1e-9)
+            sys.stderr.write(f'\rorder: step {driven:,}/{to_drive:,}  {rate:,.0f} steps/s  '
+                             f'ETA {(to_drive - driven) / rate:,.0f}s ')
+      else:  # the stretch ran to its end: the next (unaudited) epoch starts where it should
+        state = loader.state()
+        try:
+          data.check_position(state, ds, end)
+        except ValueError:
+          lost.append(f"after {end:,} steps the loader is at epoch {state['epoch']}, step "
+                      f"{state['step']}, not where {end:,} batches of {B} lead ({per_epoch} per "
+                      'epoch).')
+      flush()
+    finally:
+      loader.close()
+  if progress and to_drive >= _CHUNK_STEPS:
     sys.stderr.write('\n')
-  complete = {e: n for e, n in marked.items() if n == per_epoch * B}
-  return {'instances': N, 'global_batch': B, 'batches_per_epoch': per_epoch, 'steps': steps,
-          'ranks': devices, 'micro_batches': accum, 'micro_batch_size': mb, 'resumes': resumes,
-          'ids_read': int(sum(marked.values())), 'repeated_ids': int(flush.repeats),
-          'repeat_sightings': repeats[:3 * _MAX_EXAMPLES],
-          'complete_epochs': sorted(complete), 'dropped_tail_per_epoch': N - per_epoch * B,
-          'seconds': time.time() - start}
+  complete = sorted(e for e, n in marked.items() if n == per_epoch * B)
+  report.update({
+      'ranks': devices, 'micro_batches': accum, 'micro_batch_size': mb, 'all_epochs': full,
+      'audited_epochs': audited, 'audited_steps': driven, 'ids_audited': int(sum(marked.values())),
+      'complete_epochs_audited': complete, 'resumes': resumes,
+      'resumes_planned': (steps - 1) // resume_every if resume_every else 0,
+      'repeated_ids': int(flush.repeats), 'repeat_sightings': repeats[:3 * _MAX_EXAMPLES],
+      'loader_errors': lost,
+      'seconds': time.time() - start})
+  return report
+
+
+def order_summary(order: dict[str, Any]) -> list[str]:
+  """The order report in a few lines: counts and a few example epochs, never a list of all."""
+  audited = order['audited_epochs']
+  shown = ', '.join(map(str, audited)) if len(audited) <= 6 else (
+      ', '.join(map(str, audited[:3])) + ', ..., ' + ', '.join(map(str, audited[-2:])))
+  complete = order['complete_epochs_audited']
+  lines = [
+      f"order: {order['steps']:,} steps x {order['global_batch']} instances "
+      f"({order['ranks']} ranks x {order['micro_batches']} micro-batches of "
+      f"{order['micro_batch_size']}) read {order['ids_read']:,} ids of {order['instances']:,} "
+      f"instances: {order['epochs']:,} epochs of {order['batches_per_epoch']:,} batches "
+      f"({order['complete_epochs']:,} complete), repetition {_times(order['repetition'])} (ids "
+      f"read / distinct ids); each epoch drops the last {order['dropped_tail_per_epoch']:,} "
+      'instances, as OLMo-core does.',
+      f"audited {'every epoch' if order['all_epochs'] else f'{len(audited)} epochs'} "
+      f"({shown}) step by step through data.Loader: {order['audited_steps']:,} steps, "
+      f"resumes: {order['resumes']:,} of the {order['resumes_planned']:,} planned, "
+      f"{order['ids_audited']:,} ids read, {order['repeated_ids']} repeated within an epoch; "
+      + (f"{len(complete)} complete epochs read "
+         f"{order['batches_per_epoch'] * order['global_batch']:,} ids each; " if complete else '')
+      + f"{order['seconds']:.1f} s"]
+  if not order['all_epochs']:
+    lines.append(
+        f"not read: the other {order['epochs'] - len(audited):,} epochs. Each is its own "
+        f"PCG64(seed + epoch) shuffle of the same {order['instances']:,} ids (data.permutation), "
+        'sliced into batches by the same Loader code the audited epochs ran, and a resume is '
+        'refused unless it lands where its step count leads (data.check_position: checked here '
+        'at every audited resume and after each audited stretch), so each epoch reads an id at '
+        'most once by construction. --all_epochs reads them all.')
+  return lines
+
+
+def _times(factor: float) -> str:
+  return f'{factor:.2f}x' if factor < 100 else f'{factor:,.0f}x'
 
 
 def _sightings(part: list[tuple[int, np.ndarray]], wanted: np.ndarray, epoch: int, mb: int,
@@ -232,7 +406,7 @@ class _Buckets:
         yield rec['ref'][a:b + 1]
 
 
-def _tokens(file: data.TokenFile) -> np.ndarray:
+def _tokens(file: token_files.TokenFile) -> np.ndarray:
   return np.memmap(file.path, '<u4', mode='r', offset=file.header, shape=(file.num_tokens,))
 
 
@@ -358,8 +532,9 @@ def build_dataset(cfg_data: Any, num_instances: int = 0) -> data.Dataset:
   except FileNotFoundError:
     if not cfg_data.mix_file or not os.path.isfile(cfg_data.mix_file):
       raise
-    paths, labels, sizes = data.read_mix(cfg_data.mix_file, base_dir=cfg_data.base_dir,
-                                         tokenizer_id=cfg_data.tokenizer_id)
+    paths, labels, sizes = token_files.read_mix(
+        cfg_data.mix_file, base_dir=token_files.mix_base_dir(cfg_data.mix_file, cfg_data.base_dir),
+        tokenizer_id=cfg_data.tokenizer_id)
     if None in sizes:
       raise FileNotFoundError(f'{cfg_data.mix_file}: some files are absent and the mix lists no '
                               'sizes for them; fetch them (scripts/fetch_data.py writes a mix '
@@ -374,30 +549,41 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   cfg = FLAGS.config
   try:
+    config_checks.complete(cfg)  # tokenizer settings a mix states about itself, as train.py
     ds = build_dataset(cfg.data, FLAGS.num_instances)
     steps = FLAGS.steps or cfg.train.steps
+    warning = repetition_warning(plan(ds.num_instances, cfg.data.global_batch_size, steps),
+                                 cfg.data.seq_len,
+                                 '--steps' if FLAGS.steps else 'cfg.train.steps')
+    if warning:  # before the audit: it is the finding that matters most, and known already
+      print(warning, file=sys.stderr, flush=True)
     resume_every = cfg.train.ckpt_every if FLAGS.resume_every < 0 else FLAGS.resume_every
     report = {'order': audit_order(
         ds, cfg.data, steps=steps, devices=FLAGS.devices,
         micro_batch_size=FLAGS.micro_batch_size or cfg.train.micro_batch_size,
-        resume_every=resume_every, cache_dir=FLAGS.cache_dir or None, progress=True)}
+        resume_every=resume_every, cache_dir=FLAGS.cache_dir or None,
+        all_epochs=FLAGS.all_epochs, progress=True)}
+    report['warnings'] = [warning] if warning else []
     if FLAGS.content or FLAGS.ngrams:
       if isinstance(ds, SizedDataset):
         raise FileNotFoundError('--content/--ngrams read the token files; they are absent.')
       report['content'] = audit_content(ds, tmp_dir=FLAGS.tmp_dir or None,
                                         memory_mb=FLAGS.memory_mb,
                                         min_doc_tokens=FLAGS.min_doc_tokens, ngrams=FLAGS.ngrams)
-  except (FileNotFoundError, ValueError) as e:
-    sys.exit(f'error: {e}')
+  except errors.UserError as e:
+    errors.report(str(e), e.exit_code)
+  except FileNotFoundError as e:
+    errors.report(str(e), errors.EXIT_DATA)
+  except ValueError as e:
+    errors.report(str(e), errors.EXIT_USAGE)
   order = report['order']
-  print(f"order: {order['steps']:,} steps x {order['global_batch']} instances over "
-        f"{order['ranks']} ranks x {order['micro_batches']} micro-batches, {order['resumes']} "
-        f"resumes: {order['ids_read']:,} ids read, {order['repeated_ids']} repeated; complete "
-        f"epochs {order['complete_epochs']} (each drops the last {order['dropped_tail_per_epoch']}"
-        f" of {order['instances']:,} instances, as OLMo-core does); {order['seconds']:.1f} s")
+  for line in order_summary(order):
+    print(line)
   for s in order['repeat_sightings']:
     print(f"  repeated id {s['id']}: epoch {s['epoch']} step {s['step']} rank {s['rank']} "
           f"micro-batch {s['micro_batch']}")
+  for problem in order['loader_errors']:
+    print(f'  the loader lost its place: {problem}')
   content = report.get('content', {})
   if content:
     print(f"content: {content['identical_instances']} identical instances of "
@@ -415,8 +601,18 @@ def main(argv):
     with open(FLAGS.json + '.tmp', 'w') as f:
       json.dump(report, f, indent=1)
     os.replace(FLAGS.json + '.tmp', FLAGS.json)
-  bad = order['repeated_ids'] or content.get('identical_instances', 0)
-  print('FAIL: instances repeat' if bad else 'PASS: every instance at most once per epoch')
+  bad = (order['repeated_ids'] or order['loader_errors']
+         or content.get('identical_instances', 0))
+  if bad:
+    print('FAIL: ' + ('instances repeat' if order['repeated_ids'] or content else
+                      'the loader lost its place'))
+  else:
+    print('PASS: every instance at most once per epoch' + (
+        '' if order['all_epochs'] else
+        f" of the {len(order['audited_epochs'])} audited (of {order['epochs']:,}; the rest by "
+        'construction, as above)') + (
+        f"; but the run reads its data {order['repetition']:,.0f} times over (the WARNING on "
+        'stderr)' if report['warnings'] else ''))
   return 1 if bad else 0
 
 
@@ -431,6 +627,8 @@ def define_flags() -> None:
                        'steps (-1: cfg.train.ckpt_every; 0: never).')
   flags.DEFINE_integer('num_instances', 0, 'Audit the order of N instances without files '
                        '(stage 1: 723872768).')
+  flags.DEFINE_bool('all_epochs', False, 'Drive every epoch step by step (default: all of a '
+                    f'run of <= {_FULL_EPOCHS} epochs, else the epochs audited_epochs() picks).')
   flags.DEFINE_string('cache_dir', '', "Permutation cache ('': in memory, 4N bytes).")
   flags.DEFINE_bool('content', False, 'Hash instances and documents for repeated content.')
   flags.DEFINE_bool('ngrams', False, "OLMo-core's repetition-filter statistics per instance.")
@@ -442,4 +640,4 @@ def define_flags() -> None:
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main, flags_parser=guards.parse_flags)
+  app.run(main, flags_parser=config_checks.parse_flags)

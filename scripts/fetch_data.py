@@ -16,19 +16,33 @@ mix `label,absolute path,bytes` is written only once every file is in place:
 --list prints files, bytes and tokens per source (from HEAD requests) and
 downloads nothing. Rerunning a fetch resumes partial files and skips
 complete ones.
+
+A host that cannot be reached stops the listing or the fetch at the first
+file that shows it, with one line: a name that does not resolve (no network,
+or a wrong --base_url) at once, with exit code 2; a host that refuses every
+connection after that file's retries. The other files would only fail the
+same way.
+
+--checksums takes a sha256sum-style file; its paths may be written as
+`path`, `./path`, `/path` or `*path` (binary mode). With it, every file to
+fetch must have an entry: a file it does not list is an error, not a file
+left unverified.
 """
 
 import collections
 import concurrent.futures
 import os
+import posixpath
 import sys
+import threading
 
 from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402  (the repository root must be on the path first)
-import download  # noqa: E402
+import download  # noqa: E402  (the repository root must be on the path first)
+import errors  # noqa: E402
+import token_files  # noqa: E402  (not data.py: a listing needs no JAX)
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 
@@ -79,24 +93,45 @@ def tokenizer_id(mix: str) -> str:
   return DOLMA2_ID
 
 
+def checksum_key(path: str) -> str:
+  """A path as read_checksums keys it: `./a/b`, `/a/b` and `a//b` are all `a/b`."""
+  return posixpath.normpath(path).lstrip('/')
+
+
 def read_checksums(path: str) -> dict[str, str]:
-  """{relative path: sha256 hex} from `HEX  path` lines (sha256sum's format)."""
+  """{relative path: sha256 hex} from `HEX  path` lines (sha256sum's format).
+
+  `HEX *path` (sha256sum -b) and the `./path` that `find . | xargs sha256sum`
+  prints name the same file as `path`.
+  """
   sums = {}
   with open(path) as f:
     for line_no, line in enumerate(f, 1):
       if not line.strip():
         continue
       digest, _, name = line.strip().partition(' ')
-      if len(digest) != 64 or not name.strip():
+      name = name.strip().removeprefix('*')
+      if len(digest) != 64 or not name:
         raise ValueError(f'{path}:{line_no}: expected `SHA256HEX  relative/path`, got {line!r}.')
-      sums[name.strip().lstrip('*').lstrip('/')] = digest.lower()
+      sums[checksum_key(name)] = digest.lower()
   return sums
+
+
+def expected_sums(paths: list[str], sums: dict[str, str], source: str) -> list[str]:
+  """The sha256 of each path; a path `sums` (read from `source`) does not list is an error."""
+  missing = [p for p in paths if checksum_key(p) not in sums]
+  if missing:
+    more = f' (and {len(missing) - 1} more files)' if len(missing) > 1 else ''
+    raise ValueError(f'{missing[0]}{more}: no entry in --checksums {source}; add it, or fetch '
+                     'without --checksums.')
+  return [sums[checksum_key(p)] for p in paths]
 
 
 def entries(mix: str, tok_id: str = '', labels: tuple[str, ...] = (),
             max_files: int = 0) -> list[tuple[str, str]]:
   """(label, relative path) per file of the mix, in mix order, filtered."""
-  rel_paths, mix_labels, _ = data.read_mix(mix_file(mix), tokenizer_id=tok_id or tokenizer_id(mix))
+  rel_paths, mix_labels, _ = token_files.read_mix(mix_file(mix),
+                                                  tokenizer_id=tok_id or tokenizer_id(mix))
   unknown = set(labels) - set(mix_labels)
   if unknown:
     raise ValueError(f'--labels {sorted(unknown)} are not in the mix; its labels are '
@@ -113,14 +148,31 @@ def url_of(base_url: str, rel_path: str) -> str:
 
 def sizes(urls: list[str], workers: int = 8,
           timeout: float = 60.0) -> list[int | None | download.DownloadError]:
-  """Remote size of each URL (HEAD), None if unknown, or the DownloadError (404, ...)."""
+  """Remote size of each URL (HEAD), None if unknown, or the DownloadError (404, ...).
+
+  Raises download.HostUnreachable at the first URL whose host cannot be
+  reached, and asks about no further URL: each would fail the same way.
+  """
+  stop = threading.Event()
+
   def one(url):
+    if stop.is_set():
+      return None
     try:
       return download.remote_size(url, timeout=timeout)
+    except download.HostUnreachable:
+      stop.set()
+      raise
     except download.DownloadError as e:
       return e
-  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-    return list(pool.map(one, urls))
+  pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+  try:
+    futures = [pool.submit(one, url) for url in urls]
+    for future in concurrent.futures.as_completed(futures):
+      future.result()  # the first HostUnreachable, as soon as it happens
+    return [future.result() for future in futures]
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def summarize(files: list[tuple[str, str]], found: list, seq_len: int) -> str:
@@ -143,7 +195,7 @@ def summarize(files: list[tuple[str, str]], found: list, seq_len: int) -> str:
 
 
 def write_local_mix(path: str, rows: list[tuple[str, str, int]], header: str) -> None:
-  """Writes `label,path,bytes` lines atomically (data.read_mix reads them)."""
+  """Writes `label,path,bytes` lines atomically (token_files.read_mix reads them)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
@@ -181,13 +233,17 @@ def main(argv):
                                              os.path.basename(mix_file(FLAGS.mix)))
     if os.path.abspath(local) == os.path.abspath(mix_file(FLAGS.mix)):
       raise ValueError(f'the local mix {local} would overwrite --mix; pass --local_mix=OTHER.txt.')
-    sums = read_checksums(FLAGS.checksums) if FLAGS.checksums else {}
     keep = [(l, p, u, s) for (l, p), u, s in zip(files, urls, found)
             if not isinstance(s, download.DownloadError)]
-    items = [download.Item(u, os.path.join(FLAGS.output_dir, p), size=s,
-                           sha256=sums.get(p)) for _, p, u, s in keep]
+    digests = (expected_sums([p for _, p, _, _ in keep], read_checksums(FLAGS.checksums),
+                             FLAGS.checksums) if FLAGS.checksums else [None] * len(keep))
+    items = [download.Item(u, os.path.join(FLAGS.output_dir, p), size=s, sha256=d)
+             for (_, p, u, s), d in zip(keep, digests)]
     report = download.fetch(items, workers=FLAGS.workers, retries=FLAGS.retries,
                             timeout=FLAGS.timeout)
+  except download.HostUnreachable as e:
+    print(f'error: {e} (--base_url={FLAGS.base_url})', file=sys.stderr)
+    return errors.EXIT_CRASH if e.resolved else errors.EXIT_USAGE
   except (download.DownloadError, FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')
   rows = [(l, os.path.abspath(i.dest), os.path.getsize(i.dest)) for (l, *_), i in zip(keep, items)]

@@ -1,40 +1,58 @@
-"""Runs the trainer until it finishes, restarting it after crashes and preemptions.
+"""Runs the trainer until it finishes, restarting it when a restart can fix the exit.
 
   python scripts/launch.py -- python train.py --config=configs/olmo3_7b.py --workdir=/ckpt/run
 
-Everything after `--` is the trainer command. It is restarted, unchanged, after
-any exit other than 0 and train.EXIT_DIVERGED (train.py exits 0 only once
-cfg.train.steps is reached; EXIT_PREEMPTED after a SIGTERM checkpoint;
-EXIT_DIVERGED when its divergence guard stopped it, which a rerun of the
-same command would only repeat, so the launcher exits with it; anything else
-is a crash).
+Everything after `--` is the trainer command. Its exit code (errors.py) decides:
+
+  0                          done: the launcher exits 0.
+  1 crash, 3 preempted       restarted, unchanged (errors.RESTARTABLE).
+  killed by a signal         restarted: a negative code (SIGKILL, the OOM killer),
+                             or 128+N as a shell or srun reports signal N.
+  2 usage, 4 diverged,       not restarted: a rerun of the same command repeats
+  5 data, any other code     them. The launcher says what the code means and
+                             exits with it at once.
+
 Each restart resumes from the latest committed checkpoint in --workdir. A
 restart that followed progress (a newer committed checkpoint step than before
 the attempt) waits --backoff seconds; attempts without progress wait twice as
 long each time, up to --max_backoff, and after --max_failures of them in a row
-the launcher gives up with the trainer's exit code. SIGTERM/SIGINT to the
-launcher are passed to the trainer (which checkpoints and exits), and then the
-launcher exits too. Every start, exit and restart is logged to stderr and to
-<workdir>/launcher.log. See BUILD.md for TPU pods (one launcher per host, same
-command) and SLURM (one launcher around `srun`).
+the launcher gives up with the trainer's exit code.
+
+Stall watchdog: a trainer that stops without dying (SIGSTOPped, deadlocked in
+a collective) would be waited on forever. Each attempt gets a fresh heartbeat
+file on local disk, named in the environment variable OLMO_HEARTBEAT_FILE;
+train.py touches it when its loop starts and after every step. Once it has
+been touched (compiling, packing data and restoring may take long before
+that), a heartbeat older than --stall_timeout seconds makes the launcher kill
+the trainer's whole process group (SIGKILL) and restart it like a crash.
+
+The trainer runs in its own session (process group), so the watchdog reaches
+its children too, and whatever it leaves behind when it exits is killed
+before the next attempt. SIGTERM/SIGINT to the launcher are passed to the
+trainer (which checkpoints and exits), and then the launcher exits too. Every
+start, exit and restart is logged to stderr and appended to
+<workdir>/launcher.log, each line naming the host and the launcher's pid (on a
+pod every host's launcher appends to the same file). See BUILD.md for TPU pods
+(one launcher per host, same command) and SLURM (one launcher around `srun`).
 """
 
 import argparse
 import datetime
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402  (repo root on the path first)
+import errors  # noqa: E402
 
-# train.py's exit codes, repeated rather than importing the whole trainer (the model,
-# kernels, data); tests/test_launch.py checks that they match.
-EXIT_PREEMPTED = 3  # train.EXIT_PREEMPTED
-EXIT_DIVERGED = 4  # train.EXIT_DIVERGED
+HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='seconds before a restart; doubles per attempt without progress')
   parser.add_argument('--max_backoff', type=float, default=600.0,
                       help='the longest wait between attempts, in seconds')
+  parser.add_argument('--stall_timeout', type=float, default=1800.0,
+                      help='kill and restart a trainer whose heartbeat file ($%s) is older than '
+                           'this many seconds, once it was touched; 0 disables' % HEARTBEAT_ENV)
   if '--' not in argv:
     parser.error('put the trainer command after `--`.')
   split = argv.index('--')
@@ -64,24 +85,52 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.workdir = found[-1]
   if args.max_failures < 1 or args.backoff < 0 or args.max_backoff < args.backoff:
     parser.error('need --max_failures >= 1 and 0 <= --backoff <= --max_backoff.')
+  if args.stall_timeout < 0:
+    parser.error('need --stall_timeout >= 0 (seconds; 0 disables the watchdog).')
+  if shutil.which(args.command[0]) is None:  # else every attempt fails the same way
+    parser.error(f'the trainer command {args.command[0]!r} is not an executable file or on PATH; '
+                 'fix the command after `--`.')
   return args
+
+
+def signal_of(rc: int) -> int | None:
+  """The signal that ended the trainer: a negative code, or 128+N from a shell or srun."""
+  if rc < 0:
+    return -rc
+  if 128 < rc <= 128 + 64:
+    return rc - 128
+  return None
+
+
+def describe(rc: int) -> str:
+  """An exit code in words, for the log."""
+  sig = signal_of(rc)
+  if sig is not None:
+    return f'killed by signal {sig}' + (f' (exit {rc})' if rc > 0 else '')
+  if rc == errors.EXIT_CRASH:
+    return f'crashed with exit code {rc}'
+  return f'exited with {rc}: {errors.MEANING.get(rc, "an exit code the launcher does not know")}'
 
 
 class Launcher:
   """The restart loop; `run()` returns the exit code for the launcher itself."""
 
   def __init__(self, command: list[str], workdir: str, max_failures: int = 5,
-               backoff: float = 10.0, max_backoff: float = 600.0):
+               backoff: float = 10.0, max_backoff: float = 600.0, stall_timeout: float = 1800.0):
     self.command, self.workdir = command, workdir
     self.max_failures, self.backoff, self.max_backoff = max_failures, backoff, max_backoff
+    self.stall_timeout = stall_timeout
     self.ckpt_dir = os.path.join(workdir, 'checkpoints')
     self.child: subprocess.Popen | None = None
     self.stopping = False
+    # Every host's launcher appends to the same shared log, and pids repeat across hosts.
+    self.tag = f'host={socket.gethostname()} pid={os.getpid()}'
     os.makedirs(workdir, exist_ok=True)
     self.log_file = open(os.path.join(workdir, 'launcher.log'), 'a')
 
   def log(self, message: str) -> None:
-    line = f'[launch {datetime.datetime.now().isoformat(timespec="seconds")}] {message}'
+    now = datetime.datetime.now().isoformat(timespec='seconds')
+    line = f'[launch {now} {self.tag}] {message}'
     print(line, file=sys.stderr, flush=True)
     self.log_file.write(line + '\n')
     self.log_file.flush()
@@ -102,28 +151,79 @@ class Launcher:
     finally:
       for sig, handler in previous.items():
         signal.signal(sig, handler)
+      if self.child is not None and self.child.poll() is None:  # the launcher itself failed
+        self._kill_group()
+        self.child.wait()
+
+  def _kill_group(self) -> bool:
+    """SIGKILLs the trainer's process group; False if nothing of it was left."""
+    try:
+      os.killpg(self.child.pid, signal.SIGKILL)
+      return True
+    except (ProcessLookupError, PermissionError):
+      return False
+
+  def _attempt(self, attempt: int, best: int | None) -> tuple[int, bool]:
+    """Runs the trainer once; (its exit code, whether the stall watchdog killed it)."""
+    env, heartbeat = os.environ.copy(), None
+    if self.stall_timeout > 0:
+      fd, heartbeat = tempfile.mkstemp(prefix=f'olmo-heartbeat-{os.getpid()}-{attempt}-')
+      os.close(fd)
+      os.utime(heartbeat, (0, 0))  # mtime 0: not touched yet, so the watchdog is not armed
+      env[HEARTBEAT_ENV] = heartbeat
+    try:
+      # Its own session: the watchdog kills the trainer's children with it, and
+      # a terminal's Ctrl-C reaches it once, through _forward.
+      self.child = subprocess.Popen(self.command, env=env, start_new_session=True)
+      self.log(f'attempt {attempt}: started pid {self.child.pid} (latest checkpoint: '
+               f'{best}): {" ".join(self.command)}')
+      stalled = heartbeat is not None and self._watch(attempt, heartbeat)
+      rc = self.child.wait()
+    finally:
+      if heartbeat is not None and os.path.exists(heartbeat):
+        os.remove(heartbeat)
+    if not stalled and self._kill_group():  # e.g. a data worker it forked and never reaped
+      self.log(f'attempt {attempt}: killed processes the trainer left in its process group.')
+    return rc, stalled
+
+  def _watch(self, attempt: int, heartbeat: str) -> bool:
+    """Waits for the trainer; True if it stalled and its process group was killed."""
+    poll = min(5.0, self.stall_timeout / 4)
+    while True:
+      try:
+        self.child.wait(timeout=poll)
+        return False
+      except subprocess.TimeoutExpired:
+        pass
+      try:
+        touched = os.stat(heartbeat).st_mtime
+      except OSError:  # removed by a tmp cleaner, say: the watchdog cannot tell, so it waits
+        continue
+      if touched > 0 and time.time() - touched > self.stall_timeout:
+        self.log(f'attempt {attempt}: no heartbeat from the trainer (pid {self.child.pid}) for '
+                 f'{time.time() - touched:.0f} s (--stall_timeout={self.stall_timeout:g}); '
+                 'killing its process group.')
+        self._kill_group()
+        return True
 
   def _supervise(self) -> int:
     failures, attempt = 0, 0
     best = checkpoint.latest_step(self.ckpt_dir)
     while True:
       attempt += 1
-      self.child = subprocess.Popen(self.command)
-      self.log(f'attempt {attempt}: started pid {self.child.pid} (latest checkpoint: '
-               f'{best}): {" ".join(self.command)}')
-      rc = self.child.wait()
+      rc, stalled = self._attempt(attempt, best)
       if rc == 0:
         self.log(f'attempt {attempt}: trainer finished (exit 0).')
         return 0
-      if rc == EXIT_DIVERGED:
-        self.log(f'attempt {attempt}: trainer stopped by its divergence guard (exit {rc}); '
-                 'not restarting: fix the cause its message names, then relaunch.')
-        return rc
-      what = ('preempted, checkpoint written' if rc == EXIT_PREEMPTED else
-              f'killed by signal {-rc}' if rc < 0 else f'crashed with exit code {rc}')
+      what = 'stalled, killed by the watchdog' if stalled else describe(rc)
+      exit_code = rc if rc > 0 else 128 - rc
+      if not stalled and rc not in errors.RESTARTABLE and signal_of(rc) is None:
+        self.log(f'attempt {attempt}: trainer {what}; not restarting (a rerun of the same '
+                 'command would repeat it): fix the cause its message names, then relaunch.')
+        return exit_code
       if self.stopping:
         self.log(f'attempt {attempt}: trainer {what}; launcher was signalled, not restarting.')
-        return rc if rc > 0 else 128 - rc
+        return exit_code
       latest = checkpoint.latest_step(self.ckpt_dir)
       progressed = latest is not None and (best is None or latest > best)
       failures = 0 if progressed else failures + 1
@@ -131,7 +231,7 @@ class Launcher:
       if failures >= self.max_failures:
         self.log(f'attempt {attempt}: trainer {what}; {failures} attempts in a row without a '
                  f'new checkpoint (latest: {best}). Giving up.')
-        return rc if rc > 0 else 128 - rc
+        return exit_code
       delay = min(self.max_backoff, self.backoff * 2 ** failures)
       self.log(f'attempt {attempt}: trainer {what}; latest checkpoint {latest} '
                f'({"progress" if progressed else f"no progress, {failures} in a row"}); '
@@ -144,7 +244,7 @@ class Launcher:
 def main(argv: list[str]) -> int:
   args = parse_args(argv)
   return Launcher(args.command, args.workdir, args.max_failures, args.backoff,
-                  args.max_backoff).run()
+                  args.max_backoff, args.stall_timeout).run()
 
 
 if __name__ == '__main__':

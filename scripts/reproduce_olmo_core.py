@@ -63,8 +63,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import convert  # noqa: E402  (after the repository root is importable)
-import data  # noqa: E402
+import data  # noqa: E402  (after the repository root is importable)
+import hf_ckpt  # noqa: E402
 import olmo_core_ckpt  # noqa: E402
 from configs import tiny_repro  # noqa: E402
 from evaluation.compare import compare_logits  # noqa: E402
@@ -574,9 +574,9 @@ def write_step0(cfg, init_seed: int, workdir: str, kl_tokens_BT: np.ndarray) -> 
   torch.save(init_state, os.path.join(workdir, 'olmo_core_step0.pt'))
   params0 = olmo_core_to_params(init_state, cfg.model.num_layers)
   hf_dir = os.path.join(workdir, 'step0_hf')
-  convert.save_hf(params0, cfg.model, hf_dir, vocab_size=cfg.data.vocab_size,
+  hf_ckpt.save_hf(params0, cfg.model, hf_dir, vocab_size=cfg.data.vocab_size,
                   eos_token_id=cfg.data.eos_token_id, pad_token_id=cfg.data.pad_token_id)
-  reloaded, _ = convert.load_hf(hf_dir)
+  reloaded, _ = hf_ckpt.load_hf(hf_dir)
   if relative_difference(reloaded, params0) != 0.0:
     raise RuntimeError(f'{hf_dir} does not reload to the converted weights bit for bit.')
   step0 = compare_logits(olmo_core_logits(model, kl_tokens_BT),

@@ -1,4 +1,4 @@
-"""scripts/audit_data.py and the in-loop data guards (guards.py) against planted repeats.
+"""scripts/audit_data.py and the in-loop repeat metric (health.RepeatTracker) vs planted repeats.
 
 References: numpy's np.unique on the same ids (repeat counts), OLMo-core's own
 find_periodic_sequences / InstanceFilterConfig (n-gram statistics), and byte
@@ -7,8 +7,10 @@ comparisons of the token files (identical instances, repeated documents).
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 
 import data
 from script_module import load_script
-import guards
+import health
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'audit_data.py')
@@ -53,23 +55,6 @@ def _ds(paths):
   return data.Dataset(paths, seq_len=T, vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=1)
 
 
-def test_mark_seen_counts_every_repeat_like_np_unique():
-  rng = np.random.default_rng(0)
-  bitmap = np.zeros(1001 // 8 + 1, np.uint8)
-  seen = np.zeros(0, np.int64)
-  for _ in range(20):
-    ids = rng.integers(0, 1001, 300)
-    again = guards.mark_seen(bitmap, ids)
-    everything = np.concatenate([seen, ids])
-    _, counts = np.unique(everything, return_counts=True)
-    _, before = np.unique(seen, return_counts=True)
-    assert again.size == (counts - 1).sum() - (before - 1).sum()
-    seen = everything
-  assert np.unpackbits(bitmap, bitorder='little').sum() == np.unique(seen).size
-  with pytest.raises(IndexError, match='outside the'):
-    guards.mark_seen(bitmap, np.array([8 * bitmap.size]))
-
-
 @pytest.mark.parametrize('devices,micro,resume_every', [(1, 8, 0), (2, 2, 3), (4, 1, 5)])
 def test_clean_order_reads_every_instance_once_per_epoch(files, devices, micro, resume_every):
   ds = _ds(files)
@@ -77,11 +62,13 @@ def test_clean_order_reads_every_instance_once_per_epoch(files, devices, micro, 
   steps = 2 * per_epoch + 3  # two full epochs and part of a third, across resumes
   report = audit.audit_order(ds, _cfg(), steps=steps, devices=devices, micro_batch_size=micro,
                              resume_every=resume_every)
-  assert report['repeated_ids'] == 0 and report['ids_read'] == steps * 8
-  assert report['complete_epochs'] == [1, 2]
+  assert report['repeated_ids'] == 0 and report['ids_read'] == report['ids_audited'] == steps * 8
+  assert report['all_epochs'] and report['audited_epochs'] == [1, 2, 3]
+  assert report['complete_epochs'] == 2 and report['complete_epochs_audited'] == [1, 2]
   assert report['dropped_tail_per_epoch'] == ds.num_instances % 8
   assert report['micro_batches'] == 8 // devices // micro
-  assert report['resumes'] == ((steps - 1) // resume_every if resume_every else 0)
+  assert report['resumes'] == report['resumes_planned'] == ((steps - 1) // resume_every
+                                                            if resume_every else 0)
 
 
 def test_planted_loader_bugs_are_caught_with_their_place(files, monkeypatch):
@@ -109,6 +96,9 @@ def test_planted_loader_bugs_are_caught_with_their_place(files, monkeypatch):
                       not setattr(self, '_x', 1) else next_position(self, e, s))
   report = audit.audit_order(ds, _cfg(), steps=10)
   assert report['repeated_ids'] == 8
+  assert report['loader_errors'] == [  # one batch late: it read batch 4 twice
+      'after 10 steps the loader is at epoch 1, step 9, not where 10 batches of 8 lead '
+      '(30 per epoch).']
 
 
 def test_the_in_loop_metric_catches_the_same_planted_bug(files, monkeypatch):
@@ -116,7 +106,7 @@ def test_the_in_loop_metric_catches_the_same_planted_bug(files, monkeypatch):
   real = data.global_batch_ids
   monkeypatch.setattr(data, 'global_batch_ids', lambda d, s, e, k, B, c=None: real(
       d, s, e, min(k, 2), B, c))  # from step 2 on, the same batch again and again
-  tracker = guards.RepeatTracker(ds.num_instances)
+  tracker = health.RepeatTracker(ds.num_instances)
   with data.Loader(ds, seed=7, global_batch_size=8) as loader:
     counts = []
     for _ in range(5):
@@ -125,14 +115,14 @@ def test_the_in_loop_metric_catches_the_same_planted_bug(files, monkeypatch):
                                     loader.ids_at(*loader.last_position)))
   assert counts == [0, 0, 0, 8, 8] and tracker.total == 16
   monkeypatch.setattr(data, 'global_batch_ids', real)
-  clean = guards.RepeatTracker(ds.num_instances)
+  clean = health.RepeatTracker(ds.num_instances)
   per_epoch = ds.num_instances // 8
   with data.Loader(ds, seed=7, global_batch_size=8) as loader:
     for _ in range(per_epoch + 2):  # into epoch 2: the bitmap starts afresh
       next(loader)
       assert clean.observe(loader.last_position[0], loader.ids_at(*loader.last_position)) == 0
   # A resume rebuilds the epoch's bitmap from the ids of its earlier steps.
-  resumed = guards.RepeatTracker(ds.num_instances)
+  resumed = health.RepeatTracker(ds.num_instances)
   resumed.replay(1, (loader.ids_at(1, s) for s in range(3)))
   assert resumed.total == 0 and resumed.observe(1, loader.ids_at(1, 2)) == 8
 
@@ -140,10 +130,10 @@ def test_the_in_loop_metric_catches_the_same_planted_bug(files, monkeypatch):
 def test_same_file_twice_is_caught_by_the_in_loop_metric(files, tmp_path):
   copy = tmp_path / 'copy.npy'
   copy.write_bytes(open(files[2], 'rb').read())  # another path, the same bytes
-  assert guards.duplicate_files(files) == {}
-  assert guards.duplicate_files(files + [files[2], str(copy)]) == {4: 2, 5: 2}
+  assert health.duplicate_files(files) == {}
+  assert health.duplicate_files(files + [files[2], str(copy)]) == {4: 2, 5: 2}
   ds = _ds(files + [str(copy)])
-  tracker = guards.RepeatTracker.for_dataset(ds)
+  tracker = health.RepeatTracker.for_dataset(ds)
   with data.Loader(ds, seed=7, global_batch_size=8) as loader:
     for _ in range(ds.num_instances // 8):
       next(loader)
@@ -153,7 +143,7 @@ def test_same_file_twice_is_caught_by_the_in_loop_metric(files, tmp_path):
   pairs = sum(ds.starts[2] + k not in tail and ds.starts[4] + k not in tail
               for k in range(777 // T))
   assert tracker.total == pairs > 0
-  assert guards.RepeatTracker.for_dataset(_ds(files)).aliases == ()
+  assert health.RepeatTracker.for_dataset(_ds(files)).aliases == ()
 
 
 def test_same_file_twice_is_caught_by_content_and_a_clean_mix_reports_zero(files, tmp_path):
@@ -206,14 +196,16 @@ def _run(*args):
 def test_cli_passes_a_clean_config_and_fails_a_mix_listing_a_file_twice(files, tmp_path):
   common = ['--config=configs/small.py', '--config.data.global_batch_size=8',
             f'--config.data.seq_len={T}', f'--config.data.vocab_size={VOCAB}',
-            f'--config.data.eos_token_id={EOS}', '--config.train.ckpt_every=4',
+            f'--config.data.eos_token_id={EOS}', '--config.data.pad_token_id=1',
+            '--config.train.ckpt_every=4',
             '--devices=2', '--config.train.micro_batch_size=2', '--config.data.paths=()']
   mix = tmp_path / 'mix.txt'
   mix.write_text(''.join(f'src,{p}\n' for p in files))
   ok = _run(*common, f'--config.data.mix_file={mix}', '--steps=30', '--content', '--ngrams',
             f'--json={tmp_path / "r.json"}')
   assert ok.returncode == 0, ok.stderr
-  assert 'PASS' in ok.stdout and ', 0 repeated;' in ok.stdout and '7 resumes' in ok.stdout
+  assert 'PASS' in ok.stdout and ', 0 repeated within an epoch;' in ok.stdout
+  assert 'resumes: 7 of the 7 planned' in ok.stdout and 'WARNING' not in ok.stderr
   report = json.loads((tmp_path / 'r.json').read_text())
   assert report['order']['ids_read'] == 240 and report['content']['identical_instances'] == 0
   mix.write_text(''.join(f'src,{p}\n' for p in files + [files[0]]))
@@ -229,50 +221,113 @@ def test_cli_passes_a_clean_config_and_fails_a_mix_listing_a_file_twice(files, t
   assert '160 ids read, 0 repeated' in order_only.stdout
 
 
+# --- Runs that read their data many times over -------------------------------------------------
+
+
+def test_a_many_epoch_plan_is_summarised_and_audited_where_the_paths_differ(files):
+  ds = _ds(files)
+  N, B = ds.num_instances, 8
+  n = N // B
+  assert (N, n) == (240, 30)  # the fixture's 4 files: 62 + 2 + 48 + 128 instances of 16
+  steps, resume_every = 1000 * n + 7, 70  # 1,001 epochs, the last one partial
+  report = audit.audit_order(ds, _cfg(B), steps=steps, devices=2, micro_batch_size=2,
+                             resume_every=resume_every)
+  assert (report['epochs'], report['complete_epochs']) == (1001, 1000)
+  assert report['ids_read'] == steps * B and report['repetition'] == steps * B / N
+  assert report['resumes_planned'] == (steps - 1) // resume_every
+  # The first two and the last two, the middle, the epoch of the first resume inside an epoch
+  # (step 70: epoch 3) and the two around the first resume at an epoch end (lcm(70, 30) = 210).
+  assert report['audited_epochs'] == [1, 2, 3, 7, 8, 501, 1000, 1001]
+  assert not report['all_epochs'] and report['repeated_ids'] == 0
+  assert report['audited_steps'] == 7 * n + 7 and report['ids_audited'] == (7 * n + 7) * B
+  assert report['complete_epochs_audited'] == [1, 2, 3, 7, 8, 501, 1000]
+  assert report['resumes'] == 2  # steps 70 and 210; none falls inside epochs 501, 1000-1001
+  summary = '\n'.join(audit.order_summary(report))
+  assert len(summary) < 2000 and '1,001 epochs' in summary and 'not read: the other 993' in summary
+
+
+def test_the_sampled_audit_catches_bugs_where_it_reads_and_says_where_it_does_not(files,
+                                                                                    monkeypatch):
+  ds = _ds(files)
+  real = data.global_batch_ids
+
+  def plant(epoch_with_bug):
+    def repeat(ds_, seed, epoch, step, B, cache_dir=None):
+      ids = real(ds_, seed, epoch, step, B, cache_dir)
+      if epoch == epoch_with_bug and step == 3:
+        ids[0] = real(ds_, seed, epoch, 1, B, cache_dir)[0]
+      return ids
+    monkeypatch.setattr(data, 'global_batch_ids', repeat)
+
+  steps = 50 * 30  # 50 epochs
+  plant(50)  # the last epoch: always audited
+  assert audit.audit_order(ds, _cfg(), steps=steps)['repeated_ids'] == 1
+  plant(40)  # an epoch the sampled audit does not read: only --all_epochs finds it
+  sampled = audit.audit_order(ds, _cfg(), steps=steps)
+  assert 40 not in sampled['audited_epochs'] and sampled['repeated_ids'] == 0
+  assert 'not read: the other' in '\n'.join(audit.order_summary(sampled))
+  full = audit.audit_order(ds, _cfg(), steps=steps, all_epochs=True)
+  assert full['audited_epochs'] == list(range(1, 51)) and full['repeated_ids'] == 1
+  assert 'not read' not in '\n'.join(audit.order_summary(full))
+  monkeypatch.setattr(data, 'global_batch_ids', real)
+  # A loader that loses its place at a resume on an epoch end (step 60 = epoch 3, step 0).
+  state = data.Loader.state
+  monkeypatch.setattr(data.Loader, 'state', lambda self: {
+      **state(self), 'step': state(self)['step'] + (state(self)['step'] == 0)})
+  lost = audit.audit_order(ds, _cfg(), steps=steps, resume_every=60)['loader_errors']
+  # Audited: epochs 1-3 (a resume at step 60), 25 and 49-50 (each stretch's end is checked).
+  assert len(lost) == 3 and re.match('resuming at step 60 .* optimizer steps', lost[0])
+  assert [s.split(' the loader')[0] for s in lost[1:]] == ['after 750 steps', 'after 1,500 steps']
+
+
+def test_the_repetition_warning_names_steps_data_and_the_fix(files):
+  ds = _ds(files)
+  once = audit.plan(ds.num_instances, 8, ds.num_instances // 8)
+  assert once['repetition'] == 1 and audit.repetition_warning(once, T) is None
+  four = audit.plan(ds.num_instances, 8, 4 * (ds.num_instances // 8))
+  assert audit.repetition_warning(four, T) is None  # exactly 4 times: not more than 4
+  many = audit.plan(ds.num_instances, 8, 100_000)
+  warning = audit.repetition_warning(many, T)
+  assert warning.startswith('WARNING:') and '\n' not in warning
+  for part in (f'{100_000 * 8 / ds.num_instances:,.0f} times', 'cfg.train.steps=100,000',
+               f'{ds.num_instances:,} instances of {T} tokens', 'at most 120 (4 epochs)',
+               'cfg.data.mix_file'):
+    assert part in warning, part
+
+
+def test_cli_a_1200_instance_mix_under_the_7b_config_is_fast_and_warns(tmp_path):
+  """The README's audit line on a small mix: 1,413,814 steps of 512 over 1,200 instances.
+
+  seq_len is lowered to 64 to keep the files small; the order does not depend on it.
+  """
+  rng = np.random.default_rng(11)
+  mix = tmp_path / 'mix.txt'
+  lines = []
+  for i, n in enumerate([500, 400, 300]):  # instances per file: 1,200
+    path = tmp_path / f's{i}.npy'
+    rng.integers(1, 50_000, n * 64 + 5).astype('<u4').tofile(path)
+    lines.append(f'src{i},{path}\n')
+  mix.write_text(''.join(lines))
+  start = time.time()
+  run = _run('--config=configs/olmo3_7b.py', f'--config.data.mix_file={mix}',
+             '--config.data.seq_len=64', '--devices=512', f'--json={tmp_path / "r.json"}')
+  seconds = time.time() - start
+  assert run.returncode == 0, run.stderr
+  assert seconds < 60, seconds
+  steps, B = 1_413_814, 512
+  report = json.loads((tmp_path / 'r.json').read_text())['order']
+  assert (report['steps'], report['instances'], report['batches_per_epoch']) == (steps, 1200, 2)
+  assert report['epochs'] == report['complete_epochs'] == steps // 2 == 706_907
+  assert report['ids_read'] == steps * B and report['repeated_ids'] == 0
+  assert len(report['audited_epochs']) <= 10 and 706_907 in report['audited_epochs']
+  assert len(run.stdout) < 3000  # a summary, not every epoch number
+  assert f'{steps * B / 1200:,.0f} times' in run.stderr
+  warnings = [line for line in run.stderr.splitlines() if line.startswith('WARNING:')]
+  assert len(warnings) == 1 and 'cfg.train.steps=1,413,814' in warnings[0]
+  assert '706,907 epochs' in run.stdout and 'PASS' in run.stdout and 'not read' in run.stdout
+
+
 # --- The memorization warning ------------------------------------------------------------------
-
-
-def _watch(train_fn, heldout_fn, evals=20, eval_every=50, log_every=10, noise=0.03, seed=0):
-  """Feeds MemorizationWatch a synthetic run; returns the steps at which it warned."""
-  rng = np.random.default_rng(seed)
-  watch = guards.MemorizationWatch(threshold=0.1, evals=3)
-  fired = []
-  for step in range(log_every, evals * eval_every + 1, log_every):
-    watch.observe_train(step, train_fn(step) + noise * rng.standard_normal())
-    if step % eval_every == 0 and watch.observe_eval(step, heldout_fn(step)):
-      fired.append(step)
-  return fired
-
-
-def test_memorization_watch_on_synthetic_loss_curves(capsys):
-  fast_fall = lambda s: 5.0 + 2.0 * np.exp(-s / 60)  # most of the fall before the first eval
-  for seed in range(5):  # healthy: both curves fall together, noisy train CE, early fast fall
-    assert _watch(fast_fall, lambda s: fast_fall(s) + 0.04, seed=seed) == []
-  assert _watch(lambda s: 5 - s / 1000, lambda s: 5.03 - s / 1000) == []
-  # The README main job's logged curves (train.py --config=configs/small.py): train CE every
-  # 10 steps, validation every 50. Both were silent, with 0 repeated instances.
-  readme_runs = [  # 16 x 256 for 150 steps (gap 0.074, 0.164, 0.044), then 8 x 256 for 300
-      ([6.7091, 6.2192, 5.9972, 5.8573, 5.7892, 5.6545, 5.5116, 5.3471, 5.3098, 5.3492,
-        5.2449, 5.4286, 5.2425, 5.1959, 5.2168], {50: 5.7477, 100: 5.4355, 150: 5.2520}),
-      ([7.5003, 6.0944, 6.0586, 6.1216, 6.2755, 5.9098, 5.7601, 5.7059, 5.6601, 5.7224,
-        5.447, 5.7472, 5.2894, 5.1641, 4.8876, 5.1262, 5.2798, 5.1024, 5.1382, 5.2077, 5.2345,
-        5.2179, 5.3874, 5.5394, 4.9512, 5.1856, 5.1759, 4.949, 5.1511, 5.1453],
-       {50: 5.9868, 100: 5.5957, 150: 5.3904, 200: 5.2027, 250: 5.1398, 300: 5.074})]
-  for readme_train, readme_heldout in readme_runs:
-    watch = guards.MemorizationWatch(threshold=0.1, evals=3)
-    for i, ce in enumerate(readme_train):
-      watch.observe_train(10 * (i + 1), ce)
-      if 10 * (i + 1) in readme_heldout:
-        assert watch.observe_eval(10 * (i + 1), readme_heldout[10 * (i + 1)]) == {}
-  # Memorizing: train CE keeps falling 0.06 per eval while held-out CE stalls.
-  fired = _watch(lambda s: 5.0 - 0.06 * s / 50, lambda s: 5.0)
-  assert fired and fired[0] <= 250
-  assert 'possible memorization' in capsys.readouterr().err
-  # A slow drift, 0.02 nats per eval, never widening at every eval (noise 0.03): caught late.
-  slow = _watch(lambda s: 5.0 - 0.02 * s / 50, lambda s: 5.0, evals=30, seed=1)
-  assert slow and 300 <= slow[0] <= 1000
-  with pytest.raises(ValueError, match='memorization_threshold'):
-    guards.MemorizationWatch(threshold=0, evals=3)
 
 
 def test_a_run_repeating_a_few_batches_warns_and_counts_repeats(tmp_path, monkeypatch, capfd,

@@ -1,4 +1,5 @@
-"""Tests for checkpoint.py: bit-exact round trips, resharding, atomicity, faults.
+"""Tests for checkpoint.py (and its chunk_store.py, step_dirs.py, workdir_lock.py): bit-exact
+round trips, resharding, atomicity, faults.
 
 References are the numpy arrays the states are built from (kept on the host,
 never read back from a checkpoint) and, for casts, XLA's own convert.
@@ -32,6 +33,8 @@ import numpy as np
 import pytest
 
 import checkpoint
+import chunk_store
+import workdir_lock
 from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -309,7 +312,7 @@ def test_incomplete_and_partial_dirs_are_ignored_then_removed(tmp_path):
 
 def test_crash_mid_save_keeps_previous_and_surfaces_error(tmp_path, monkeypatch):
   _save(tmp_path, [1])
-  real, calls = checkpoint._checksum, []
+  real, calls = chunk_store.checksum, []
 
   def failing_checksum(a):
     calls.append(1)
@@ -317,7 +320,7 @@ def test_crash_mid_save_keeps_previous_and_surfaces_error(tmp_path, monkeypatch)
       raise RuntimeError('injected writer fault')
     return real(a)
 
-  monkeypatch.setattr(checkpoint, '_checksum', failing_checksum)
+  monkeypatch.setattr(chunk_store, 'checksum', failing_checksum)
   ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
   ckpt.save(2, _state(_reference(2), _mesh((8,), ('fsdp',))))
   with pytest.raises(RuntimeError, match='injected writer fault'):
@@ -377,8 +380,8 @@ def test_async_save_survives_donation_and_deletion(tmp_path, monkeypatch):
   ref = _reference(3)
   state = _state(ref, _mesh((8,), ('fsdp',)))
   gate = threading.Event()  # holds the writer until the sources are gone
-  write_local = checkpoint._write_local
-  monkeypatch.setattr(checkpoint, '_write_local', lambda *a: gate.wait() and write_local(*a))
+  write_local = chunk_store.write_local
+  monkeypatch.setattr(chunk_store, 'write_local', lambda *a: gate.wait() and write_local(*a))
   ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
   ckpt.save(1, state)
   step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
@@ -450,7 +453,7 @@ def test_poll_raises_a_failed_background_save_at_once(tmp_path, monkeypatch):
     gate.wait()
     raise OSError(28, 'No space left on device (injected)')
 
-  monkeypatch.setattr(checkpoint, '_write_local', failing_write)
+  monkeypatch.setattr(chunk_store, 'write_local', failing_write)
   ckpt = checkpoint.Checkpointer(str(tmp_path), **FAST)
   ckpt.save(7, {'x': jnp.ones(3)})
   safety = threading.Timer(30, gate.set)  # a blocking poll() fails below, not hangs
@@ -539,7 +542,7 @@ def test_unreadable_files_raise_and_rename_nothing(shared_dir, file):
 def test_tensorstore_errors_are_sorted_into_io_and_damage(message, is_io):
   """The first message is tensorstore's for a real EACCES (as observed); the EIO ones follow
   its errno -> code mapping (EIO -> FAILED_PRECONDITION) in both of its message styles."""
-  assert checkpoint._is_io_error(message) is is_io
+  assert chunk_store.is_io_error(message) is is_io
 
 
 def test_lost_commit_on_an_intact_step_is_recommitted(shared_dir, caplog):
@@ -602,8 +605,8 @@ def test_tampered_metadata_is_corruption(tmp_path, caplog, damage, named):
 
 _LOCK_HOLDER = r"""
 import sys, time
-import checkpoint
-with checkpoint.WorkdirLock(sys.argv[1]):
+import workdir_lock
+with workdir_lock.WorkdirLock(sys.argv[1]):
   print('held', flush=True)
   time.sleep(600)
 """
@@ -615,35 +618,35 @@ def test_workdir_lock_excludes_a_second_run_and_takes_over_a_dead_ones(tmp_path,
                             stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == 'held\n'
-    with pytest.raises(checkpoint.WorkdirLockedError,
+    with pytest.raises(workdir_lock.WorkdirLockedError,
                        match=rf'in use by another training run \(host '
                        rf'{re.escape(socket.gethostname())}, PID {holder.pid},.*another '
                        '--workdir'):
-      with checkpoint.WorkdirLock(str(tmp_path)):
+      with workdir_lock.WorkdirLock(str(tmp_path)):
         pass
   finally:
     holder.kill()  # SIGKILL: no clean-up runs, LOCK keeps naming the dead holder
     holder.wait()
-  assert json.loads((tmp_path / checkpoint.LOCK).read_text())['pid'] == holder.pid
+  assert json.loads((tmp_path / workdir_lock.LOCK).read_text())['pid'] == holder.pid
   with caplog.at_level(logging.WARNING):
-    with checkpoint.WorkdirLock(str(tmp_path)):
-      assert json.loads((tmp_path / checkpoint.LOCK).read_text())['pid'] == os.getpid()
-      with pytest.raises(checkpoint.WorkdirLockedError, match=f'PID {os.getpid()}'):
-        with checkpoint.WorkdirLock(str(tmp_path)):  # flock: one holder per open file
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      assert json.loads((tmp_path / workdir_lock.LOCK).read_text())['pid'] == os.getpid()
+      with pytest.raises(workdir_lock.WorkdirLockedError, match=f'PID {os.getpid()}'):
+        with workdir_lock.WorkdirLock(str(tmp_path)):  # flock: one holder per open file
           pass
   assert [r.getMessage() for r in caplog.records if 'stale' in r.getMessage()
           and f'PID {holder.pid}' in r.getMessage()]
   caplog.clear()
   with pytest.raises(KeyError):  # an exception inside releases it
-    with checkpoint.WorkdirLock(str(tmp_path)):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
       raise KeyError('boom')
   with caplog.at_level(logging.WARNING):
-    with checkpoint.WorkdirLock(str(tmp_path)):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
       pass
   assert not caplog.records  # a clean release leaves no stale holder behind
-  (tmp_path / 'other' / checkpoint.LOCK).mkdir(parents=True)
+  (tmp_path / 'other' / workdir_lock.LOCK).mkdir(parents=True)
   with pytest.raises(OSError, match='Cannot open the workdir lock .*LOCK a regular file'):
-    with checkpoint.WorkdirLock(str(tmp_path / 'other')):
+    with workdir_lock.WorkdirLock(str(tmp_path / 'other')):
       pass
 
 

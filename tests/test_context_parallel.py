@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 import attention_oracle
+import config_checks
+import kernels
+import loss
 import model
 import optim
-import kernels
+import sharding
 import train
 from configs import small
 from kernels import context_parallel
@@ -29,7 +32,7 @@ RTOL = 2e-5
 
 
 def _config(impl='xla', seq_len=64, window=12, head_dim=16):
-  cfg = small.get_config()
+  cfg = config_checks.complete(small.get_config())
   m = cfg.model
   m.num_layers, m.layer_pattern, m.d_model, m.mlp_hidden, m.vocab_size = 2, 'SF', 64, 128, 256
   m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, head_dim  # GQA 2:1
@@ -56,34 +59,35 @@ def _mesh(cfg, cp, fsdp=-1):
   """(data 1, fsdp, context cp): all 8 devices, or fsdp * cp of them."""
   cfg = cfg.copy_and_resolve_references()
   cfg.train.mesh_data, cfg.train.mesh_fsdp, cfg.train.mesh_context = 1, fsdp, cp
-  return train.make_mesh(cfg.train, None if fsdp == -1 else jax.devices()[:fsdp * cp])
+  return sharding.make_mesh(cfg.train, None if fsdp == -1 else jax.devices()[:fsdp * cp])
 
 
 def _put(batch, mesh):
   """The batch as train.py's loader places it: rows split over the batch axes."""
-  spec = train.batch_sharding(mesh).spec
+  spec = sharding.batch_sharding(mesh).spec
   return {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
       *spec[:np.ndim(v)]))) for k, v in batch.items()}
 
 
 def _loss_and_grads(cfg, cp, params, batch, fsdp=-1, run=True):
-  """The train step's loss (train.sequence_layout + model + optim.loss_sums), its gradient
+  """The train step's loss (train.sequence_layout + model + loss.sums), its gradient
   (None unless `run`) and the compiled function."""
   mesh = _mesh(cfg, cp, fsdp)
   net = model.build(cfg.model)
 
-  def loss(p, batch):
-    mb = train.sequence_layout(cfg.model, mesh, batch)
+  def objective(p, batch):
+    mb = sharding.sequence_layout(cfg.model, mesh, batch)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       h = net.apply(p, mb['tokens'], mb.get('segment_ids'), mb.get('positions'))
-    ce, z = optim.loss_sums(h, p['lm_head']['w'], mb['labels'], mb['instance_mask'],
-                            z_loss=1e-4, chunk=cfg.opt.loss_chunk)
+    ce, z = loss.sums(h, p['lm_head']['w'], mb['labels'], mb['instance_mask'],
+                      z_loss=1e-4, chunk=cfg.opt.loss_chunk)
     return ce + z
 
-  shardings = train.state_shardings(train.abstract_state(cfg), mesh).params
+  abstract = train.abstract_state(cfg, optim.make_optimizer(cfg.opt))
+  shardings = sharding.state_shardings(abstract, mesh).params
   params = jax.device_put(params, shardings)
   batch = _put(batch, mesh)
-  compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+  compiled = jax.jit(jax.value_and_grad(objective)).lower(params, batch).compile()
   return (jax.device_get(compiled(params, batch)) if run else None), compiled
 
 
@@ -144,9 +148,9 @@ def test_train_step_metrics_equal_cp1(xla_setup):
   out = {}
   for cp in (1, 4):
     mesh = _mesh(cfg, cp)
-    state, shardings = train.create_state(cfg, mesh, jax.random.key(1))
+    state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(1))
     state = state._replace(params=jax.device_put(params, shardings.params))
-    step = jax.jit(train.make_train_step(cfg, mesh, accum=1))
+    step = jax.jit(train.make_train_step(cfg, optim.make_optimizer(cfg.opt), mesh, accum=1))
     _, metrics = step(state, _put(batch, mesh))
     out[cp] = jax.device_get(metrics)
   for name in ('train/CE loss', 'train/Z loss', 'optim/total grad norm'):
@@ -185,20 +189,20 @@ def test_state_is_sharded_over_the_context_axis_and_restores_onto_any_mesh(tmp_p
   sizes = {}
   for fsdp, cp in ((2, 1), (2, 2), (2, 4)):
     shape = {'data': 1, 'fsdp': fsdp, 'tensor': 1} | ({'context': cp} if cp > 1 else {})
-    sizes[fsdp, cp] = train.state_bytes(cfg, shape)
+    sizes[fsdp, cp] = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), shape)
   # Independently: every projection and the lm_head hold 1 / (fsdp * cp) of themselves; the
-  # embedding table (kept on 'fsdp', see train._PARAM_SPECS) and the norms what they held.
+  # embedding table (kept on 'fsdp', see sharding.PARAM_SPECS) and the norms what they held.
   names = ('w_q', 'w_k', 'w_v', 'w_o', 'w_gate', 'w_up', 'w_down', 'w')
   matrices = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(
-      train.abstract_state(cfg).params) if path[-1].key in names)
+      train.abstract_state(cfg, optim.make_optimizer(cfg.opt)).params) if path[-1].key in names)
   for cp in (2, 4):
     saved = sizes[2, 1][0] - sizes[2, cp][0]
     assert saved == matrices // 2 - matrices // (2 * cp), (cp, sizes)
     assert sizes[2, 1][1] - sizes[2, cp][1] == 2 * saved  # Adam mu and nu alike
   mesh = _mesh(cfg, 4, fsdp=2)
-  state, shardings = train.create_state(cfg, mesh, jax.random.key(3))
+  state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(3))
   assert shardings.params['attention']['w_q'].spec[1] == ('fsdp', 'context')
-  params, opt = train.state_bytes(cfg, dict(mesh.shape))
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), dict(mesh.shape))
   for device in mesh.devices.flat:
     assert _allocated_bytes(state.params, device) == params
     assert _allocated_bytes(state.opt_state, device) == opt
@@ -208,7 +212,7 @@ def test_state_is_sharded_over_the_context_axis_and_restores_onto_any_mesh(tmp_p
   want = jax.device_get(state)
   for fsdp, cp in ((8, 1), (1, 8), (4, 2)):
     restored, _ = checkpoint.restore_latest_good(
-        str(tmp_path), train.abstract_state(cfg, _mesh(cfg, cp, fsdp=fsdp)))
+        str(tmp_path), train.abstract_state(cfg, optim.make_optimizer(cfg.opt), _mesh(cfg, cp, fsdp=fsdp)))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), want)
 
 
@@ -293,4 +297,4 @@ def test_seq_len_not_divisible_is_a_clear_error():
   cfg = _config()
   cfg.data.seq_len, cfg.train.mesh_context = 60, 4
   with pytest.raises(ValueError, match='data.seq_len or train.mesh_context'):
-    train.validate(cfg)
+    config_checks.validate(cfg)

@@ -1,8 +1,9 @@
-"""convert.py's command line and checkpoint handling against HF transformers (CPU torch).
+"""convert.py's command line and hf_ckpt.py's checkpoint handling against HF transformers
+(CPU torch).
 
 The weight mapping itself is tested in test_model.py; here: HF -> checkpoint ->
 HF round trips with no flags, train.py checkpoints exported with their
-tokenizer, and a --to that already holds a checkpoint.
+tokenizer, context length and file modes, and a --to that already holds a checkpoint.
 """
 
 import json
@@ -20,9 +21,12 @@ import torch
 from transformers import AutoTokenizer, Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
-import convert
+import ckpt_files
+import config_checks
+import errors
+import hf_ckpt
 import model
-from configs import small
+from configs import olmo3_7b_stage3, small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -60,8 +64,8 @@ def read_json(path):
 
 def from_hf(src, ckpt, **kw):
   """What `convert.py --from_hf=src --to=ckpt` does, through the public API."""
-  params, cfg = convert.load_hf(str(src))
-  convert.save_checkpoint_params(params, cfg, str(ckpt), hf_source=convert.read_hf_source(str(src)),
+  params, cfg = hf_ckpt.load_hf(str(src))
+  hf_ckpt.save_checkpoint_params(params, cfg, str(ckpt), hf_source=hf_ckpt.read_hf_source(str(src)),
                                  **kw)
   return params
 
@@ -87,7 +91,7 @@ def test_hf_round_trip_with_no_flags_gives_the_same_model(tmp_path):
 def test_bfloat16_source_exports_bfloat16_bit_for_bit(tmp_path):
   src = make_hf(tmp_path / 'src', dtype=torch.bfloat16)
   from_hf(src, tmp_path / 'ckpt')
-  assert convert.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out')) == 'bfloat16'
+  assert hf_ckpt.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out')) == 'bfloat16'
   a = Olmo3ForCausalLM.from_pretrained(str(src)).state_dict()
   b = Olmo3ForCausalLM.from_pretrained(str(tmp_path / 'out')).state_dict()
   assert b['lm_head.weight'].dtype == torch.bfloat16
@@ -97,17 +101,17 @@ def test_bfloat16_source_exports_bfloat16_bit_for_bit(tmp_path):
 def test_malformed_sources_are_refused_naming_the_file(tmp_path):
   src = make_hf(tmp_path / 'src')
   (src / 'generation_config.json').write_text('{"eos_token_id": ')
-  with pytest.raises(convert.ConversionError, match='generation_config.json is not valid JSON'):
-    convert.read_hf_source(str(src))
+  with pytest.raises(hf_ckpt.ConversionError, match='generation_config.json is not valid JSON'):
+    hf_ckpt.read_hf_source(str(src))
   config = read_json(src / 'config.json')
   del config['hidden_size']
   (src / 'config.json').write_text(json.dumps(config))
-  with pytest.raises(convert.ConversionError, match="config.json lacks \\['hidden_size'\\]"):
-    convert.load_hf(str(src))
+  with pytest.raises(hf_ckpt.ConversionError, match="config.json lacks \\['hidden_size'\\]"):
+    hf_ckpt.load_hf(str(src))
 
 
 def params_of(ckpt):
-  return convert.load_checkpoint_params(str(ckpt))[0]
+  return hf_ckpt.load_checkpoint_params(str(ckpt))[0]
 
 
 @pytest.mark.slow
@@ -117,20 +121,20 @@ def test_converting_into_an_existing_checkpoint_needs_overwrite(tmp_path):
   assert run_convert(f'--from_hf={old}', f'--to={ckpt}').returncode == 0
   old_params = params_of(ckpt)
   proc = run_convert(f'--from_hf={new}', f'--to={ckpt}')
-  assert proc.returncode == 1
+  assert proc.returncode == errors.EXIT_USAGE
   assert f'{ckpt} already holds a checkpoint (steps [0])' in proc.stderr
   assert 'Pass --overwrite to replace it' in proc.stderr
   chex.assert_trees_all_equal(params_of(ckpt), old_params)
 
   (ckpt / 'notes.txt').write_text('mine')  # --overwrite would delete it with the directory
   proc = run_convert(f'--from_hf={new}', f'--to={ckpt}', '--overwrite')
-  assert proc.returncode == 1 and "holds ['notes.txt'] besides its checkpoints" in proc.stderr
+  assert proc.returncode == errors.EXIT_USAGE and "holds ['notes.txt'] besides its checkpoints" in proc.stderr
   chex.assert_trees_all_equal(params_of(ckpt), old_params)
   (ckpt / 'notes.txt').unlink()
 
   proc = run_convert(f'--from_hf={new}', f'--to={ckpt}', '--overwrite')
   assert proc.returncode == 0, proc.stderr[-3000:]
-  chex.assert_trees_all_equal(params_of(ckpt), convert.load_hf(str(new))[0])
+  chex.assert_trees_all_equal(params_of(ckpt), hf_ckpt.load_hf(str(new))[0])
   assert sorted(os.listdir(tmp_path)) == ['ckpt', 'new', 'old']  # no staging left behind
 
   proc = run_convert(f'--from_hf={new}', f'--to_hf={tmp_path / "x"}')
@@ -145,7 +149,7 @@ def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     raise OSError(28, 'No space left on device')
 
   with monkeypatch.context() as patch:
-    patch.setattr(convert.shutil, 'copyfile', disk_full)  # while copying the tokenizer files
+    patch.setattr(ckpt_files.shutil, 'copyfile', disk_full)  # while copying the tokenizer files
     with pytest.raises(OSError, match='No space left'):
       from_hf(new, tmp_path / 'ckpt', overwrite=True)
   chex.assert_trees_all_equal(params_of(tmp_path / 'ckpt'), old_params)
@@ -155,11 +159,11 @@ def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 @pytest.mark.parametrize('atomic', [True, False])
 def test_overwrite_replaces_the_whole_checkpoint(tmp_path, monkeypatch, atomic):
   old, new = make_hf(tmp_path / 'old', seed=0), make_hf(tmp_path / 'new', seed=1)
-  params, cfg = convert.load_hf(str(old))
+  params, cfg = hf_ckpt.load_hf(str(old))
   with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as ckpt:  # a later step than step_0
     ckpt.save(7, {'params': params}, {'config': {'model': cfg.to_dict()}})
   if not atomic:  # a filesystem without renameat2(RENAME_EXCHANGE), e.g. NFS
-    monkeypatch.setattr(convert, '_exchange', lambda a, b: False)
+    monkeypatch.setattr(ckpt_files, 'exchange', lambda a, b: False)
   new_params = from_hf(new, tmp_path / 'ckpt', overwrite=True)
   assert checkpoint.committed_steps(str(tmp_path / 'ckpt')) == [0]
   chex.assert_trees_all_equal(params_of(tmp_path / 'ckpt'), new_params)
@@ -168,7 +172,7 @@ def test_overwrite_replaces_the_whole_checkpoint(tmp_path, monkeypatch, atomic):
 
 def train_checkpoint(path, **data_changes):
   """A checkpoint as train.py writes it (full config with data, params under 'params')."""
-  cfg = small.get_config()
+  cfg = config_checks.complete(small.get_config())
   cfg.model.update(num_layers=4, d_model=64, num_heads=2, num_kv_heads=1, head_dim=32,
                    mlp_hidden=128)
   cfg.data.update(data_changes)
@@ -197,7 +201,40 @@ def test_train_checkpoint_exports_its_tokenizer_and_float32(tmp_path):
 
 def test_a_tokenizer_without_the_runs_ids_is_refused(tmp_path):
   train_checkpoint(tmp_path / 'ckpt', eos_token_id=9000)
-  with pytest.raises(convert.ConversionError, match='tokenizer.json has no token 9000 '
+  with pytest.raises(hf_ckpt.ConversionError, match='tokenizer.json has no token 9000 '
                                                     '\\(eos_token_id\\).*--tokenizer=PATH'):
-    convert.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out'),
+    hf_ckpt.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out'),
                       tokenizer=str(REPO / 'data' / 'tokenizer.json'))
+
+
+def test_export_claims_the_runs_context_length(tmp_path):
+  """max_position_embeddings (and the tokenizer's model_max_length) is the run's seq_len, as
+  transformers' Olmo3Config and AutoTokenizer read the export; a YaRN run's rope settings
+  are what HF's YaRN expects: its factor is the extended length over the original."""
+  _, cfg = train_checkpoint(tmp_path / 'ckpt')
+  hf_ckpt.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out'))
+  assert Olmo3Config.from_pretrained(str(tmp_path / 'out')).max_position_embeddings == \
+      cfg.data.seq_len == 256
+  assert AutoTokenizer.from_pretrained(str(tmp_path / 'out')).model_max_length == 256
+
+  stage3 = olmo3_7b_stage3.get_config()  # YaRN x8 from 8192 to a 65,536-token sequence
+  (tmp_path / 'yarn').mkdir()
+  (tmp_path / 'yarn' / 'config.json').write_text(json.dumps(hf_ckpt.export_config(stage3, None)))
+  theirs = Olmo3Config.from_pretrained(str(tmp_path / 'yarn'))
+  full = theirs.rope_parameters['full_attention']
+  assert theirs.max_position_embeddings == stage3.data.seq_len == 65_536
+  assert (full['rope_type'], full['factor'], full['original_max_position_embeddings']) == (
+      'yarn', 8.0, 8192)
+  assert theirs.max_position_embeddings / full['original_max_position_embeddings'] == \
+      full['factor']  # HF's consistency check on YaRN configs
+  assert theirs.rope_parameters['sliding_attention']['rope_type'] == 'default'
+
+
+def test_exported_weights_are_readable_like_every_file_written(tmp_path):
+  """safetensors writes through a private (0600) temporary file; the export is shared."""
+  train_checkpoint(tmp_path / 'ckpt')
+  hf_ckpt.export_hf(str(tmp_path / 'ckpt'), str(tmp_path / 'out'))
+  (tmp_path / 'probe').write_text('')  # what a plain open() gives under this umask
+  mode = (tmp_path / 'probe').stat().st_mode & 0o777
+  modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / 'out').iterdir()}
+  assert 'model.safetensors' in modes and set(modes.values()) == {mode}, (modes, oct(mode))

@@ -18,6 +18,7 @@ from olmo_core.data.utils import get_document_lengths, get_labels
 from tokenizers import Tokenizer
 
 import data
+from configs import olmo3_7b
 from script_module import load_script
 from xla_flags import with_devices
 
@@ -113,7 +114,7 @@ def test_order_tokens_ranks_fingerprint_match_olmo_core(tmp_path, case, seed):
           np.testing.assert_array_equal(ids, batch['index'].numpy())
           np.testing.assert_array_equal(ds.read(ids), batch['input_ids'].numpy())
     # The on-disk permutation is OLMo-core's global indices file, name and bytes.
-    ours = os.path.join(cache, data._indices_file_name(ds.num_instances, seed, epoch))
+    ours = os.path.join(cache, data.indices_file_name(ds.num_instances, seed, epoch))
     olmo = tmp_path / 'olmo' / os.path.basename(ours)
     assert open(ours, 'rb').read() == olmo.read_bytes()
 
@@ -129,7 +130,7 @@ def test_fingerprint_without_max_target_sequence_length(tmp_path):
 def test_permutation_is_cached_and_memory_mapped(tmp_path):
   data.permutation.cache_clear()
   first = data.permutation(1000, 3, 1, str(tmp_path))
-  path = tmp_path / data._indices_file_name(1000, 3, 1)
+  path = tmp_path / data.indices_file_name(1000, 3, 1)
   assert isinstance(first, np.memmap) and path.stat().st_size == 4000
   stamp = path.stat().st_mtime_ns
   data.permutation.cache_clear()
@@ -156,7 +157,7 @@ def test_damaged_permutation_cache_is_rebuilt_with_a_warning(tmp_path, caplog, h
   right = data.permutation(1000, 3, 1)  # in memory, never cached on disk
   data.permutation.cache_clear()
   data.permutation(1000, 3, 1, str(tmp_path))
-  path = tmp_path / data._indices_file_name(1000, 3, 1)
+  path = tmp_path / data.indices_file_name(1000, 3, 1)
   if how == 'no_checksum':
     os.remove(f'{path}.xxh3')
   else:
@@ -275,7 +276,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   ds = make_ds(paths, T)
   assert data.batches_per_epoch(ds, B) < k + m  # the run crosses into epoch 2
   cfg = ml_collections.ConfigDict(dict(seed=seed, global_batch_size=B, document_masking=False,
-                                       repetition_filter=False, prefetch=3))
+                                       repetition_filter=False, prefetch=3,
+                                       allow_data_change=False))
   cache = str(tmp_path / 'cache')
   with data.Loader.from_config(cfg, ds, cache_dir=cache) as loader:
     straight = [next(loader)['tokens'] for _ in range(k + m)]
@@ -298,8 +300,9 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 
 
 def _loader_cfg(B, seed=3, **kw):
-  return ml_collections.ConfigDict(dict(seed=seed, global_batch_size=B, document_masking=False,
-                                        repetition_filter=False, prefetch=2, **kw))
+  fields = dict(seed=seed, global_batch_size=B, document_masking=False, repetition_filter=False,
+                prefetch=2, allow_data_change=False)
+  return ml_collections.ConfigDict({**fields, **kw})
 
 
 def _sharding(world):
@@ -367,6 +370,58 @@ def test_stop_at_epoch_end(tmp_path):
     assert (loader.state()['epoch'], loader.state()['step']) == (2, 0)
 
 
+def test_an_epoch_end_position_is_the_next_epochs_start(tmp_path):
+  """OLMo-core saves (epoch e, batches_processed n) at an epoch's last step, then runs e + 1."""
+  T, B, seed, m = 16, 8, 3, 4
+  paths = write_files(tmp_path, [1200, 700])
+  ds = make_ds(paths, T)
+  n = data.batches_per_epoch(ds, B)
+  cfg, cache = _loader_cfg(B, seed=seed), str(tmp_path / 'cache')
+  with data.Loader.from_config(cfg, ds, cache_dir=cache) as loader:
+    straight = []
+    for _ in range(2 * n + m):
+      tokens = next(loader)['tokens']
+      straight.append((loader.last_position, loader.ids_at(*loader.last_position), tokens))
+  with pytest.raises(ValueError, match=f'start \\(epoch 1, step {n + 1}\\) is outside epochs '
+                                       f'>= 1 and steps \\[0, {n}\\]'):
+    data.Loader(ds, seed=seed, global_batch_size=B, step=n + 1)
+
+  def assert_continues(loader, epoch):
+    for k in range(m):
+      tokens = next(loader)['tokens']
+      want_position, want_ids, want_tokens = straight[(epoch - 1) * n + k]
+      assert loader.last_position == want_position == (epoch, k)
+      np.testing.assert_array_equal(loader.ids_at(*loader.last_position), want_ids)
+      np.testing.assert_array_equal(tokens, want_tokens)
+
+  for e in (1, 2):
+    with data.Loader(ds, seed=seed, global_batch_size=B, epoch=e, step=n,
+                     cache_dir=cache) as loader:
+      assert (loader.state()['epoch'], loader.state()['step']) == (e + 1, 0)
+      assert_continues(loader, e + 1)
+  # OLMo-core's own record after one epoch of steps resumes there, into its epoch 2.
+  ods = olmo_ds(paths, T, tmp_path / 'olmo')
+  _, olmo_state = olmo_resumed(lambda: olmo_loader(ods, B, T, seed, tmp_path / 'olmo'), n)
+  assert (olmo_state['epoch'], olmo_state['batches_processed']) == (1, n)
+  state = dict(data.Loader(ds, seed=seed, global_batch_size=B).state(), epoch=1, step=n)
+  with data.Loader.from_config(cfg, ds, state=state, step=n, cache_dir=cache) as loader:
+    saved = json.loads(json.dumps(loader.state()))  # what a checkpoint taken now would hold
+    _, theirs = olmo_epoch(ods, B, T, seed, 2, tmp_path / 'olmo')
+    for their in theirs[:m]:
+      np.testing.assert_array_equal(next(loader)['tokens'], their['input_ids'].numpy())
+      np.testing.assert_array_equal(loader.ids_at(*loader.last_position), their['index'].numpy())
+  # The state the loader saves there round-trips, as does the one it saves after an epoch.
+  assert (saved['epoch'], saved['step']) == (2, 0)
+  with data.Loader.from_config(cfg, ds, state=saved, step=n, cache_dir=cache) as loader:
+    assert_continues(loader, 2)
+  with data.Loader.from_config(cfg, ds, cache_dir=cache) as loader:
+    for _ in range(n):
+      next(loader)
+    at_end = json.loads(json.dumps(loader.state()))
+  assert (at_end['epoch'], at_end['step']) == (2, 0)
+  with data.Loader.from_config(cfg, ds, state=at_end, step=n, cache_dir=cache) as loader:
+    assert_continues(loader, 2)
+
 def test_changed_data_is_refused_on_resume(tmp_path):
   paths = write_files(tmp_path, [1000, 2000, 500])
   state = data.Loader(make_ds(paths, 16), seed=1, global_batch_size=4).state()
@@ -375,27 +430,22 @@ def test_changed_data_is_refused_on_resume(tmp_path):
   changed = make_ds(paths, 16)
   match = f'{paths[1]} \\(8000 bytes\\), is {paths[1]} \\(8064 bytes\\)'
   with pytest.raises(ValueError, match=match):
-    data.check_resume(state, changed)
-  data.check_resume(state, changed, allow_changed=True)
+    data.check_same_data(state, changed)
+  data.check_same_data(state, changed, allow_changed=True)
   with pytest.raises(ValueError, match=f'file #2 {paths[2]} \\(2000 bytes\\) was removed'):
-    data.check_resume(state, make_ds(paths[:2], 16))
+    data.check_same_data(state, make_ds(paths[:2], 16))
   other_pad = data.Dataset(paths, seq_len=16, vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=0)
   with pytest.raises(ValueError, match=f'pad_token_id {PAD} -> 0'):
-    data.check_resume(data.Loader(changed, seed=1, global_batch_size=4).state(), other_pad)
+    data.check_same_data(data.Loader(changed, seed=1, global_batch_size=4).state(), other_pad)
   cfg = ml_collections.ConfigDict(dict(seed=1, global_batch_size=4, document_masking=False,
-                                       repetition_filter=False, prefetch=2))
+                                       repetition_filter=False, prefetch=2,
+                                       allow_data_change=False))
   with pytest.raises(ValueError, match='differs from the checkpoint'):
     data.Loader.from_config(cfg, changed, state=state)
 
 
 def test_bad_input_errors_name_the_file(tmp_path):
   good = write_files(tmp_path, [100, 200])
-  odd = tmp_path / 'odd.npy'
-  odd.write_bytes(b'\0' * 10)
-  with pytest.raises(ValueError, match=f'{odd}: size 10 bytes is not a multiple of 4'):
-    make_ds(good + [str(odd)], 8)
-  with pytest.raises(FileNotFoundError, match='missing.npy: token file does not exist'):
-    make_ds(good + [str(tmp_path / 'missing.npy')], 8)
   with pytest.raises(ValueError, match='seq_len 512 is larger than every file.*001.npy, has 200'):
     make_ds(good, 512)
   with pytest.raises(ValueError, match='cfg.data.paths is empty'):
@@ -411,109 +461,24 @@ def test_bad_input_errors_name_the_file(tmp_path):
   with data.Loader(ds, seed=0, global_batch_size=4) as loader:  # raised in the consumer thread
     with pytest.raises(ValueError, match=f'{big}: token id {VOCAB}'):
       next(loader)
-  mix = tmp_path / 'mix.txt'
-  mix.write_text(f'a,{good[0]},400\nb,{good[1]},900\n')
-  mix_paths, _, listed = data.read_mix(str(mix))
-  with pytest.raises(ValueError, match=f'{good[1]}: file is 800 bytes, shorter than the 900 bytes'):
-    make_ds(mix_paths, 8, listed_sizes=listed)
-  mix.write_text('# nothing here\n\n')
-  with pytest.raises(ValueError, match=f'mix file {str(mix)!r} lists no token files'):
-    data.read_mix(str(mix))
-  with pytest.raises(FileNotFoundError, match='no-such-mix.txt'):
-    data.read_mix(str(tmp_path / 'no-such-mix.txt'))
 
 
-def _small_vocab_ds(path):
-  return data.Dataset([str(path)], seq_len=8, vocab_size=8192, eos_token_id=0, pad_token_id=1)
-
-
-def test_implausible_token_files_are_refused_naming_the_file_and_fix(tmp_path):
-  ids = np.random.default_rng(0).integers(1, 8192, 6000)
-  for n in (20, 6000):  # a tiny file is judged too
-    (path := tmp_path / f'int{n}.bin').write_bytes(ids[:n].astype('<i8').tobytes())
-    with pytest.raises(ValueError, match=f'{path}: every second 32-bit word of the {2 * n} '
-                                         'sampled tokens is 0: this looks like int64 little-'
-                                         'endian ids.*Re-tokenize to uint32 with scripts/prepare'):
-      _small_vocab_ds(path)
-  others = np.random.default_rng(1).integers(0, VOCAB, 6000)  # dolma2 ids, vocab 8192 configured
-  for name, array, hint in [('be.bin', ids.astype('>u4'), 'they look like big-endian uint32'),
-                            ('be64.bin', ids.astype('>i8'), 'they look like int64 big-endian'),
-                            ('u16.bin', ids.astype('<u2'), 'they look like uint16'),
-                            ('dolma.bin', others.astype('<u4'), 'the file was made with another '
-                                                                'tokenizer')]:
-    (path := tmp_path / name).write_bytes(array.tobytes())
-    words = np.frombuffer(array.tobytes(), '<u4')
-    bad = np.flatnonzero(words >= 8192)
-    with pytest.raises(ValueError, match=f'{path}: token id {words[bad[0]]} at token offset '
-                                         f'{bad[0]} is >= vocab_size 8192; so are {bad.size - 1} '
-                                         f'more of the {words.size} tokens sampled: {hint}.*Check '
-                                         'cfg.data.vocab_size, or re-tokenize to uint32'):
-      _small_vocab_ds(path)
-
-
-def test_token_file_check_reads_a_bounded_sample(tmp_path):
-  n = 1 << 22  # 16 MiB of token 0, far more than the ~80K tokens sampled
-  stride = (n - data._SAMPLE_HEAD) // data._SAMPLE_CHUNKS // 2 * 2
-  for name, offset in [('in_sample.bin', data._SAMPLE_HEAD + 2 * stride + 100), ('end.bin', n - 9)]:
-    with open(tmp_path / name, 'wb') as f:
-      f.truncate(4 * n)
-      f.seek(4 * offset)
-      f.write(np.array([9000, 9001], '<u4').tobytes())
-  with pytest.raises(ValueError, match=f'in_sample.bin: token id 9000 at token offset '
-                                       f'{data._SAMPLE_HEAD + 2 * stride + 100} .* so are 1 more'):
-    _small_vocab_ds(tmp_path / 'in_sample.bin')  # found in a chunk spread past the head
-  ds = _small_vocab_ds(tmp_path / 'end.bin')  # no full scan: the end was not read
-  with pytest.raises(ValueError, match=f'end.bin: token id 9000 at token offset {n - 9} '):
-    ds.check_tokens()  # the offline full scan finds it
-
-
-def _cfg(**kw):
-  cfg = dict(mix_file='', base_dir='', paths=(), tokenizer_id='allenai/dolma2-tokenizer',
-             vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD, seq_len=8)
-  cfg.update(kw)
-  return ml_collections.ConfigDict(cfg)
-
-
-def test_mix_file_tokenizer_base_dir_and_remap(tmp_path):
-  local = tmp_path / 'mirror' / 'preprocessed' / 'allenai' / 'dolma2-tokenizer'
-  local.mkdir(parents=True)
-  paths = write_files(local, [100, 50, 300])
-  mix = tmp_path / 'mix.txt'
-  mix.write_text('# a comment\n' + ''.join(
-      f'src{i},preprocessed/{{TOKENIZER}}/{os.path.basename(p)}\n' for i, p in enumerate(paths)))
-  cfg = _cfg(mix_file=str(mix), base_dir='s3://ai2-llm',
-             path_remap=(f's3://ai2-llm/={tmp_path}/mirror/',))
-  ds = data.Dataset.from_config(cfg)
-  assert [f.path for f in ds.files] == paths
-  assert [f.label for f in ds.files] == ['src0', 'src1', 'src2']
-  assert ds.fingerprint == olmo_ds(paths, 8, tmp_path).fingerprint
-  with pytest.raises(FileNotFoundError, match='remote paths are not read directly'):
-    data.Dataset.from_config(_cfg(mix_file=str(mix), base_dir='s3://ai2-llm'))
-  relative = data.Dataset.from_config(_cfg(paths=(os.path.basename(paths[2]),),
-                                           base_dir=str(local)))
-  assert relative.files[0].path == paths[2]
-
-
-def test_npy_with_header_reads_like_raw(tmp_path):
-  raw = write_files(tmp_path, [1000])[0]
-  tokens = np.fromfile(raw, np.uint32)
-  with_header = str(tmp_path / 'with_header.npy')
-  np.save(with_header, tokens)
-  a, b = make_ds([raw], 16), make_ds([with_header], 16)
-  assert a.num_instances == b.num_instances == 62
-  np.testing.assert_array_equal(a.read(np.arange(62)), b.read(np.arange(62)))
-  np.save(with_header, tokens.astype(np.int64))
-  with pytest.raises(ValueError, match='with_header.npy: .npy holds int64'):
-    make_ds([with_header], 16)
+def fsl_cfg(**kw):
+  """The 7B config's cfg.data (every declared field) for the FSL dataset, with this file's
+  ids and no files; `kw` sets the rest."""
+  cfg = olmo3_7b.get_config().data
+  cfg.update({**dict(mix_file='', base_dir='', paths=(), tokenizer_id='allenai/dolma2-tokenizer',
+                     vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD, seq_len=8), **kw})
+  return cfg
 
 
 def test_shipped_shakespeare_corpus():
   tok = Tokenizer.from_file(os.path.join(REPO, 'data/tokenizer.json'))
   assert tok.get_vocab_size() == 8192
   eos = tok.token_to_id('<|endoftext|>')
-  cfg = _cfg(mix_file=os.path.join(REPO, 'data/shakespeare-validation.txt'),
-             base_dir=os.path.join(REPO, 'data'), vocab_size=8192, eos_token_id=eos,
-             pad_token_id=tok.token_to_id('<|pad|>'), seq_len=256)
+  cfg = fsl_cfg(mix_file=os.path.join(REPO, 'data/shakespeare-validation.txt'),
+                base_dir=os.path.join(REPO, 'data'), vocab_size=8192, eos_token_id=eos,
+                pad_token_id=tok.token_to_id('<|pad|>'), seq_len=256)
   val = data.Dataset.from_config(cfg)
   val.check_tokens()
   tokens = np.fromfile(val.files[0].path, np.uint32)
@@ -542,8 +507,9 @@ def test_prepare_data_writes_documents_with_eos_in_bounded_shards(tmp_path):
   shards = [out / name for name in summary['files']]
   assert len(shards) > 1 and all(s.stat().st_size <= 64 for s in shards)
   np.testing.assert_array_equal(np.concatenate([np.fromfile(s, '<u4') for s in shards]), expected)
-  ds = data.Dataset.from_config(_cfg(mix_file=str(out / 't.txt'), base_dir=str(out),
-                                     vocab_size=8192, eos_token_id=0, pad_token_id=1, seq_len=4))
+  ds = data.Dataset.from_config(fsl_cfg(mix_file=str(out / 't.txt'), base_dir=str(out),
+                                        vocab_size=8192, eos_token_id=0, pad_token_id=1,
+                                        seq_len=4))
   assert [f.size for f in ds.files] == [s.stat().st_size for s in shards]
   with pytest.raises(ValueError, match='is >= vocab_size 100'):
     prepare_data.prepare(files, tok, output_dir=str(tmp_path / 'x'), prefix='t', vocab_size=100)

@@ -10,6 +10,7 @@ bytes the server holds: every fetched file must equal them exactly.
 import hashlib
 import http.server
 import os
+import re
 import socket
 import struct
 import threading
@@ -260,3 +261,47 @@ def test_remote_size_and_the_progress_bar(server, tmp_path, capsys):
   assert 'MiB/s' in err and 'ETA' in err and '2.4/2.4 MiB' in err
   server.no_head = True
   assert download.remote_size(server.url + '/f.npy') is None
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+  """No proxy from the environment: the requests below must meet the real resolver and port."""
+  for name in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY', 'all_proxy', 'ALL_PROXY'):
+    monkeypatch.delenv(name, raising=False)
+
+
+def test_a_host_that_does_not_resolve_fails_at_once_and_stops_the_fetch(tmp_path, no_proxy):
+  # RFC 6761: .invalid never resolves. The default retries and backoff (1+2+4+8+16 s
+  # per file) would take minutes; a failed lookup is not retried.
+  url = 'http://does-not-resolve.invalid/root'
+  start = time.time()
+  with pytest.raises(download.HostUnreachable, match='does not resolve') as e:
+    download.remote_size(url + '/f.npy')
+  assert e.value.host == 'does-not-resolve.invalid' and not e.value.resolved
+  items = [download.Item(f'{url}/{i}.npy', str(tmp_path / f'{i}.npy')) for i in range(40)]
+  with pytest.raises(download.HostUnreachable) as e:
+    download.fetch(items, workers=4, progress=False)
+  assert time.time() - start < 10
+  message = str(e.value)
+  assert 'the host does-not-resolve.invalid does not resolve' in message and '\n' not in message
+  assert 'no network, or the host name is wrong' in message
+  assert int(re.search(r'\((\d+) more files not attempted\)', message)[1]) >= 40 - 4
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_host_that_refuses_every_connection_stops_after_the_first_file(tmp_path, no_proxy):
+  # A port bound but not listening answers every connection with a reset (ECONNREFUSED).
+  sock = socket.socket()
+  sock.bind(('127.0.0.1', 0))
+  try:
+    url = f'http://127.0.0.1:{sock.getsockname()[1]}'
+    with pytest.raises(download.HostUnreachable, match='HEAD failed 3 times') as e:
+      download.remote_size(url + '/f.npy')
+    assert e.value.resolved and e.value.host == '127.0.0.1'
+    items = [download.Item(f'{url}/{i}.npy', str(tmp_path / f'{i}.npy')) for i in range(40)]
+    with pytest.raises(download.HostUnreachable, match='failed after 2 attempts.*nothing '
+                       'answers at 127.0.0.1') as e:
+      download.fetch(items, workers=2, retries=1, **FAST)
+    assert int(re.search(r'\((\d+) more files not attempted\)', str(e.value))[1]) >= 40 - 2
+  finally:
+    sock.close()

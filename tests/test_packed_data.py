@@ -1,4 +1,4 @@
-"""data.PackedDataset against OLMo-core's NumpyPackedFSLDataset and NumpyFSLDataLoader."""
+"""packed.PackedDataset against OLMo-core's NumpyPackedFSLDataset and NumpyFSLDataLoader."""
 
 import concurrent.futures
 import json
@@ -6,7 +6,6 @@ import os
 import tracemalloc
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderConfig,
@@ -17,6 +16,7 @@ from olmo_core.data.utils import InstancePacker, get_labels, iter_document_indic
 
 import data
 from configs import olmo3_7b
+import packed
 from test_data import olmo_resumed
 
 VOCAB, EOS, PAD, BOS = 100278, 100257, 100277, 100256  # dolma2 ids; BOS only for the BOS cases
@@ -60,14 +60,13 @@ def write_docs(directory, docs_per_file, T, seed, bos=None):
 
 
 def data_cfg(paths, T, **kw):
-  cfg = dict(mix_file='', base_dir='', paths=tuple(paths), tokenizer_id='', vocab_size=VOCAB,
-             eos_token_id=EOS, pad_token_id=PAD, seq_len=T, dataset='packed', seed=5,
-             global_batch_size=8, document_masking=False, generate_doc_lengths=True,
-             repetition_filter=False, prefetch=2, source_group_size=1,
-             source_permutation_seed=None, long_doc_strategy='truncate', stable_packing=False,
-             bos_token_id=None)
-  cfg.update(kw)
-  return ml_collections.ConfigDict(cfg)
+  """The 7B config's cfg.data (every declared field), packed, with this file's settings."""
+  cfg = olmo3_7b.get_config().data
+  cfg.update({**dict(mix_file='', base_dir='', paths=tuple(paths), tokenizer_id='',
+                     vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD, seq_len=T,
+                     dataset='packed', seed=5, global_batch_size=8, document_masking=True,
+                     source_group_size=1, long_doc_strategy='truncate'), **kw})
+  return cfg
 
 
 def olmo_ds(cfg, work_dir):
@@ -118,13 +117,13 @@ def test_instances_fingerprint_and_doc_lengths_match_olmo_core(tmp_path, case):
                  long_doc_strategy=strategy, bos_token_id=bos)
   ds = data.dataset_from_config(cfg)
   ods = olmo_ds(cfg, tmp_path / 'olmo')
-  assert isinstance(ds, data.PackedDataset)
+  assert isinstance(ds, packed.PackedDataset)
   assert [f.path for f in ds.files] == [str(p) for p in ods.paths]  # the permuted order
   assert ds.fingerprint == ods.fingerprint
   assert ds.num_instances == len(ods)
-  direct = data.PackedDataset(paths, seq_len=T, vocab_size=VOCAB, eos_token_id=EOS,
-                              pad_token_id=PAD, bos_token_id=bos, long_doc_strategy=strategy,
-                              source_group_size=group, source_permutation_seed=perm)
+  direct = packed.PackedDataset(paths, seq_len=T, vocab_size=VOCAB, eos_token_id=EOS,
+                                pad_token_id=PAD, bos_token_id=bos, long_doc_strategy=strategy,
+                                source_group_size=group, source_permutation_seed=perm)
   assert direct.fingerprint == ods.fingerprint
   tokens, real = ds.read_with_lengths(np.arange(ds.num_instances))
   np.testing.assert_array_equal(direct.read(np.arange(ds.num_instances)), tokens)
@@ -155,7 +154,7 @@ def test_pack_documents_matches_olmo_core_packer_with_ties(monkeypatch):
       monkeypatch.setattr(np, 'argsort', lambda a, *args, kind=kind, **kw: argsort(a, kind=kind))
       instances, sorted_indices, total = InstancePacker(T).pack_documents(indices)
       monkeypatch.setattr(np, 'argsort', argsort)
-      docs, offsets = data.pack_documents(lengths, T, stable=stable)
+      docs, offsets = packed.pack_documents(lengths, T, stable=stable)
       # OLMo-core's instances list positions in its length-sorted table; ours original ids.
       theirs = [sorted_indices[inst, 0].tolist() for inst in instances]
       ours = [(ends - lengths)[docs[a:b]].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
@@ -243,7 +242,7 @@ def test_resume_refuses_other_packing_or_files(tmp_path):
                             state=state)
   fsl = data.Dataset(paths, seq_len=32, vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD)
   with pytest.raises(ValueError, match='differs from the checkpoint'):
-    data.check_resume(state, fsl)
+    data.check_same_data(state, fsl)
 
 
 def test_packing_cache_is_reused_verified_and_never_stale(tmp_path, caplog):
@@ -288,7 +287,7 @@ def test_document_ends_in_chunks_match_olmo_core(tmp_path):
     theirs = [end for _, end in iter_document_indices(path, eos_token_id=EOS, bos_token_id=bos,
                                                       dtype=np.uint32)]
     for chunk in (1, 2, 7, 64, 1 << 20):  # documents and EOS-BOS pairs across chunk edges
-      np.testing.assert_array_equal(data.document_ends(tokens, EOS, bos, chunk=chunk), theirs)
+      np.testing.assert_array_equal(packed.document_ends(tokens, EOS, bos, chunk=chunk), theirs)
 
 
 def test_packing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path, monkeypatch):
@@ -298,11 +297,11 @@ def test_packing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path, monkeypat
   path = tmp_path / 'big.npy'
   tokens.tofile(path)
   del tokens
-  monkeypatch.setattr(data.document_ends, '__defaults__', (None, 1 << 16))
+  monkeypatch.setattr(packed.document_ends, '__defaults__', (None, 1 << 16))
   tracemalloc.start()  # numpy reports its buffers to tracemalloc
   try:
-    ds = data.PackedDataset([str(path)], seq_len=1 << 20, vocab_size=VOCAB, eos_token_id=EOS,
-                            pad_token_id=PAD)
+    ds = packed.PackedDataset([str(path)], seq_len=1 << 20, vocab_size=VOCAB,
+                              eos_token_id=EOS, pad_token_id=PAD)
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
@@ -352,3 +351,54 @@ def test_bad_packed_settings_and_files_are_refused(tmp_path):
   ds.vocab_size = VOCAB
   with pytest.raises(ValueError, match=f'{bad}: token id {VOCAB + 3} at token offset 2'):
     ds.read([0])
+
+
+def write_eosless(path, n=300, seed=0):
+  """A token file with no EOS at all (as with a wrong eos_token_id): n random ids < 1000."""
+  np.random.default_rng(seed).integers(0, 1000, n).astype(np.uint32).tofile(path)
+  return str(path)
+
+
+# (documents per file, source_group_size, where the EOS-less file goes): alone in its group;
+# after a file of one document in a group of 2 (which packed a phantom second instance from
+# the EOS-less file's first tokens); in the middle of a group of 3.
+EOSLESS_LAYOUTS = {'alone': ([20, 15, 10], 1, 1), 'after_one_document': ([1], 2, 1),
+                   'mid_group': ([20, 15, 10], 3, 1)}
+
+
+@pytest.mark.parametrize('strategy', packed.LONG_DOC_STRATEGIES)
+@pytest.mark.parametrize('layout', sorted(EOSLESS_LAYOUTS))
+def test_a_file_without_eos_adds_no_document_as_in_olmo_core(tmp_path, caplog, strategy, layout):
+  docs, group, at = EOSLESS_LAYOUTS[layout]
+  T = 64
+  paths = write_docs(tmp_path / 'files', docs, T, seed=3)
+  no_eos = write_eosless(tmp_path / 'files' / 'no_eos.npy')
+  paths.insert(at, no_eos)
+  cfg = data_cfg(paths, T, source_group_size=group, long_doc_strategy=strategy)
+  ods = olmo_ds(cfg, tmp_path / 'olmo')
+  for attempt in ('packed', 'from the cache'):
+    caplog.clear()
+    with caplog.at_level('WARNING'):
+      ds = data.dataset_from_config(cfg, cache_dir=str(tmp_path / 'pack'))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+    assert warnings == [f'{no_eos}: its 300 tokens hold no EOS (id {EOS}), so they form no '
+                        'document and are never trained on (as in OLMo-core). Check '
+                        'cfg.data.eos_token_id, or the file.'], attempt
+    assert ds.num_instances == len(ods), attempt
+    tokens, real = ds.read_with_lengths(np.arange(ds.num_instances))
+    segments = data.segment_ids(tokens, EOS)
+    for i in range(len(ods)):
+      item = ods[i]
+      np.testing.assert_array_equal(tokens[i], item['input_ids'].numpy())
+      np.testing.assert_array_equal(np.arange(T) < real[i], item['label_mask'].numpy())
+      np.testing.assert_array_equal(np.bincount(segments[i]), item['doc_lens'].numpy())
+
+
+@pytest.mark.parametrize('strategy', packed.LONG_DOC_STRATEGIES)
+def test_no_file_with_an_eos_is_one_error_naming_the_eos_id(tmp_path, caplog, strategy):
+  paths = [write_eosless(tmp_path / f'no_eos{i}.npy', seed=i) for i in range(3)]
+  with caplog.at_level('WARNING'), pytest.raises(
+      ValueError, match=r'cfg.data.paths holds no document: no file has an EOS \(id 100257\), so '
+                        r'nothing can be packed. Check cfg.data.eos_token_id \(the tokenizer'):
+    data.dataset_from_config(data_cfg(paths, 64, source_group_size=2, long_doc_strategy=strategy))
+  assert not [r for r in caplog.records if r.levelname == 'WARNING']  # the error alone

@@ -13,8 +13,11 @@ import time
 import jax
 import pytest
 
+import config_checks
 import model
+import optim
 import plan
+import sharding
 import train
 from configs import small
 
@@ -22,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _config(**train_fields):
-  cfg = small.get_config()
+  cfg = config_checks.complete(small.get_config())
   cfg.model.num_layers, cfg.model.d_model, cfg.model.mlp_hidden = 4, 128, 256
   cfg.data.seq_len, cfg.data.global_batch_size, cfg.train.micro_batch_size = 64, 16, 1
   cfg.train.update(train_fields)
@@ -40,8 +43,8 @@ def _allocated_bytes(tree, device) -> int:
                                   dict(mesh_data=1, mesh_fsdp=4, mesh_tensor=2)])
 def test_state_bytes_equal_a_real_sharded_state(mesh):
   cfg = _config(**mesh)
-  state, _ = train.create_state(cfg, train.make_mesh(cfg.train), jax.random.key(0))
-  params, opt = train.state_bytes(cfg, train.mesh_shape(cfg.train, 8))
+  state, _ = train.create_state(cfg, optim.make_optimizer(cfg.opt), sharding.make_mesh(cfg.train), jax.random.key(0))
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), sharding.mesh_shape(cfg.train, 8))
   for device in jax.devices():
     assert params == _allocated_bytes(state.params, device)
     assert opt == _allocated_bytes(state.opt_state, device)
@@ -50,7 +53,7 @@ def test_state_bytes_equal_a_real_sharded_state(mesh):
 def test_compiled_arguments_are_state_plus_batch():
   cfg = _config()
   compiled = plan.compile_step(cfg, jax.devices()[:4])
-  state, _ = train.create_state(cfg, train.make_mesh(cfg.train, jax.devices()[:4]),
+  state, _ = train.create_state(cfg, optim.make_optimizer(cfg.opt), sharding.make_mesh(cfg.train, jax.devices()[:4]),
                                 jax.random.key(0))
   batch = 16 // 4 * (64 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 4 rows each
   # XLA prunes the arguments the step never reads: last step's lr, grad_norm, skipped.
@@ -85,7 +88,7 @@ def test_context_parallel_plan_compiles_at_two_fsdp_sizes(monkeypatch):
   seen = []
 
   def fake_compile(cfg, devices):
-    shape = train.mesh_shape(cfg.train, len(devices))
+    shape = sharding.mesh_shape(cfg.train, len(devices))
     seen.append(shape)
     return plan.Compiled(len(devices), shape, 1, 0, 0, 0, int(1e9 + 4e9 / shape['fsdp']), 0.0)
   monkeypatch.setattr(plan, 'compile_step', fake_compile)
@@ -116,7 +119,7 @@ def test_plan_report_for_a_bigger_target(capsys):
 def test_bad_meshes_name_the_fix():
   cfg = _config(mesh_data=3)
   with pytest.raises(ValueError, match='train.mesh_'):
-    train.mesh_shape(cfg.train, 8)
+    sharding.mesh_shape(cfg.train, 8)
   cfg = _config(mesh_fsdp=8)
   with pytest.raises(ValueError, match='set to -1|set one of'):
     plan.make_plan(cfg, target_devices=64, platform='cpu')

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 import data
 from script_module import load_script
+import token_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'prepare_data.py')
@@ -105,7 +106,7 @@ def test_olmo_core_reads_our_files_as_the_same_instances(tmp_path):
                                  progress=False)
   expected = _expected(tok, docs, 100257)
   assert _read(out, summary) == expected.astype('<u4').tobytes()
-  paths, labels, sizes = data.read_mix(str(out / 'd.txt'), base_dir=str(out))
+  paths, labels, sizes = token_files.read_mix(str(out / 'd.txt'), base_dir=str(out))
   T = 16
   ours = data.Dataset(paths, seq_len=T, vocab_size=100278, eos_token_id=100257,
                       pad_token_id=100277, labels=labels, listed_sizes=sizes)
@@ -146,9 +147,7 @@ def test_bad_input_names_the_place_and_leaves_no_partial_files(tmp_path):
       prepare_data.prepare([str(tmp_path / 'a.jsonl')], tok, output_dir=str(out), prefix='t',
                            max_shard_bytes=100, workers=workers, chunk_bytes=64,
                            progress=False)
-    names = os.listdir(out)
-    assert 't.txt' not in names and not [n for n in names if n.endswith('.tmp')]
-    assert all(os.path.getsize(out / n) == 100 for n in names)  # only full files were renamed
+    assert os.listdir(out) == []  # nothing of a failed run is left, not even full files
   (tmp_path / 'b.jsonl').write_text('{"body": "x"}\n')
   with pytest.raises(ValueError, match="b.jsonl:byte 0: no string field 'text'"):
     prepare_data.prepare([str(tmp_path / 'b.jsonl')], tok, output_dir=str(out), prefix='t')
@@ -186,3 +185,130 @@ def test_the_benchmark_runs_on_a_tiny_corpus():
   assert 'tokenizers encode_batch, 1 core' in result.stdout
   assert '--workers=2 (end to end)' in result.stdout
   assert 'outputs identical across worker counts: yes' in result.stdout
+
+
+# A lone surrogate escape: valid JSON, not valid Unicode (an emoji cut in half by truncation).
+SURROGATE_LINES = ['{"text": "fine"}', '{"text": "cut emoji \\ud83d here"}',
+                   '{"text": "a pair \\ud83d\\ude00 is one emoji"}',
+                   '{"text": "low first \\udc00\\ud83d: two lone halves"}']
+REPAIRED = ['fine', 'cut emoji \ufffd here', 'a pair \U0001F600 is one emoji',
+            'low first \ufffd\ufffd: two lone halves']
+
+
+def test_lone_surrogates_become_ufffd_or_stop_naming_the_line(tmp_path):
+  tok = Tokenizer.from_file(EMBEDDED)
+  good = ''.join(json.dumps({'text': f'padding document {i}'}) + '\n' for i in range(30))
+  path = tmp_path / 'web.jsonl'
+  path.write_text(good + '\n'.join(SURROGATE_LINES) + '\n')
+  docs = [f'padding document {i}' for i in range(30)] + REPAIRED
+  expected = _expected(tok, docs, eos=0).astype('<u4').tobytes()
+  for workers in (1, 2):
+    out = tmp_path / f'w{workers}'
+    summary = prepare_data.prepare([str(path)], tok, output_dir=str(out), prefix='s',
+                                   workers=workers, chunk_bytes=100, progress=False)
+    assert _read(out, summary) == expected
+    assert summary['documents'] == len(docs) and summary['repaired'] == 2
+    assert '2 with invalid Unicode repaired' in (out / 's.txt').read_text()
+  for workers in (1, 2):  # the line number is right in any chunk, from any worker
+    with pytest.raises(ValueError, match=r'web.jsonl:32: invalid Unicode: a lone surrogate '
+                       r'U\+D83D .*--invalid_unicode=replace'):
+      prepare_data.prepare([str(path)], tok, output_dir=str(tmp_path / 'e'), prefix='s',
+                           workers=workers, chunk_bytes=100, invalid_unicode='error',
+                           progress=False)
+
+  ok = subprocess.run([sys.executable, SCRIPT, f'--input={path}', f'--output_dir={tmp_path}/c',
+                       f'--tokenizer={EMBEDDED}', '--workers=1'],
+                      capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert ok.returncode == 0, ok.stderr
+  assert '2 documents had invalid Unicode (lone surrogates) replaced by U+FFFD' in ok.stdout
+  bad = subprocess.run([sys.executable, SCRIPT, f'--input={path}', f'--output_dir={tmp_path}/c',
+                        f'--tokenizer={EMBEDDED}', '--workers=1', '--invalid_unicode=error'],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+  lines = [l for l in bad.stderr.splitlines() if not l.startswith('\r') and 'tokenizing' not in l]
+  assert bad.returncode == 1 and len(lines) == 1, bad.stderr
+  assert lines[0].startswith(f'error: {path}:32: invalid Unicode')
+
+
+def _snapshot(directory) -> dict[str, bytes]:
+  return {n: (directory / n).read_bytes() for n in sorted(os.listdir(directory))}
+
+
+def test_a_failed_rerun_leaves_the_old_mix_and_its_bytes(tmp_path, monkeypatch):
+  tok = Tokenizer.from_file(EMBEDDED)
+  out, shard = tmp_path / 'out', 400
+  first_docs = [f'first run, document {i}: ' + 'words ' * (i % 9) for i in range(200)]
+  (tmp_path / 'first.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n'
+                                                for d in first_docs))
+  run = lambda *files: prepare_data.prepare(
+      [str(tmp_path / f) for f in files], tok, output_dir=str(out), prefix='r',
+      max_shard_bytes=shard, chunk_bytes=200, validation_every=0, progress=False)
+  first = run('first.jsonl')
+  assert len(first['files']) > 4
+  before = _snapshot(out)
+  assert sorted(before) == sorted(first['files'] + ['r.txt', 'r.tokenizer.json'])
+
+  # The rerun tokenizes many shards' worth of a good file, then meets a broken line.
+  second_docs = [f'second run, other text {i} ' * 3 for i in range(150)]
+  (tmp_path / 'a.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in second_docs))
+  (tmp_path / 'b.jsonl').write_text('{"text": "ok"}\n{"text": broken\n')
+  assert _expected(tok, second_docs, eos=0).nbytes > 3 * shard  # shards were due before it
+  with pytest.raises(ValueError, match='b.jsonl:byte 15: not valid JSON'):
+    run('a.jsonl', 'b.jsonl')
+  assert _snapshot(out) == before  # the old mix, every file it lists, byte for byte; no more
+
+  # A crash in the middle of the final swap (here: the third rename fails)
+  # leaves no mix at all rather than the old mix over new bytes.
+  renames, real_replace = [], os.replace
+
+  def failing_replace(src, dst):
+    renames.append(dst)
+    if len(renames) == 3:
+      raise OSError('disk gone')
+    real_replace(src, dst)
+  monkeypatch.setattr(prepare_data.os, 'replace', failing_replace)
+  with pytest.raises(OSError, match='disk gone'):
+    run('a.jsonl')
+  monkeypatch.undo()
+  assert not (out / 'r.txt').exists()
+
+  # A successful rerun with fewer files replaces everything: the mix lists only its
+  # own files, which hold its tokens; the first run's extra files are gone.
+  third_docs = second_docs[:40]
+  (tmp_path / 'c.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in third_docs))
+  third = run('c.jsonl')
+  assert 1 < len(third['files']) < len(first['files'])
+  assert sorted(os.listdir(out)) == sorted(third['files'] + ['r.txt', 'r.tokenizer.json'])
+  assert _read(out, third) == _expected(tok, third_docs, eos=0).astype('<u4').tobytes()
+  paths, _, sizes = token_files.read_mix(str(out / 'r.txt'), base_dir=str(out))
+  assert [os.path.basename(p) for p in paths] == third['files']
+  assert sizes == [os.path.getsize(p) for p in paths]
+
+
+def test_the_mix_describes_its_tokenizer_and_holds_out_every_nth_document(tmp_path):
+  """Every 7th document goes to the held-out shards (none of it to training), for 1 and 2
+  workers alike; the `# tokenizer` line carries the tokenizer's own ids and the saved
+  tokenizer.json encodes like the original."""
+  tok = Tokenizer.from_file(EMBEDDED)
+  docs = [f'document {i}: ' + 'text ' * (i % 11) for i in range(50)]
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+  held = [d for i, d in enumerate(docs) if i % 7 == 6]
+  kept = [d for i, d in enumerate(docs) if i % 7 != 6]
+  for workers in (1, 2):
+    out = tmp_path / f'w{workers}'
+    summary = prepare_data.prepare([str(tmp_path / 'in.jsonl')], tok, output_dir=str(out),
+                                   prefix='c', workers=workers, chunk_bytes=150,
+                                   validation_every=7, tokenizer_name='embedded', progress=False)
+    assert summary['validation_documents'] == len(held) == 7
+    assert _read(out, summary) == _expected(tok, kept, eos=0).tobytes()
+    val = b''.join((out / n).read_bytes() for n in summary['validation_files'])
+    assert val == _expected(tok, held, eos=0).tobytes()
+    header = token_files.read_mix_header(str(out / 'c.txt'))
+    assert header['tokenizer'] == {
+        'name': 'embedded', 'file': str(out / 'c.tokenizer.json'), 'vocab_size': 8192,
+        'eos_token_id': tok.token_to_id('<|endoftext|>'), 'pad_token_id': tok.token_to_id('<|pad|>'),
+        'bos_token_id': None}
+    assert [os.path.basename(p) for p, _ in header['validation']] == summary['validation_files']
+    paths, _, _ = token_files.read_mix(str(out / 'c.txt'), base_dir=str(out))
+    assert not set(paths) & {p for p, _ in header['validation']}  # never trained on
+    saved = Tokenizer.from_file(str(out / 'c.tokenizer.json'))
+    assert saved.encode(docs[3]).ids == tok.encode(docs[3]).ids

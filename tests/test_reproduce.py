@@ -52,8 +52,8 @@ def test_loss_and_gradients_match_olmo_core_at_the_converted_init():
   import torch
   from olmo_core.data.utils import get_labels
 
+  import loss
   import model
-  import optim
 
   cfg = repro.repro_config(repro.run_overrides(4, 1, SMALL))
   net = repro.olmo_core_model(cfg, init_seed=5)
@@ -67,12 +67,12 @@ def test_loss_and_gradients_match_olmo_core_at_the_converted_init():
   reference = repro.olmo_core_to_params(
       {name: p.grad for name, p in net.named_parameters()}, cfg.model.num_layers)
 
-  def loss(p):
+  def objective(p):
     h_BTD = model.build(cfg.model).apply(p, batch['tokens'])
-    ce, z = optim.loss_sums(h_BTD, p['lm_head']['w'], batch['labels'], batch['instance_mask'],
-                            z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
-    return (ce + z) / optim.loss_denominator(batch['labels']), ce
-  (total, _), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+    ce, z = loss.sums(h_BTD, p['lm_head']['w'], batch['labels'], batch['instance_mask'],
+                      z_loss=cfg.opt.z_loss, chunk=cfg.opt.loss_chunk)
+    return (ce + z) / loss.denominator(batch['labels']), ce
+  (total, _), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(
       jax.tree.map(jnp.asarray, params))
   np.testing.assert_allclose(float(total), float(out.loss.detach()), rtol=1e-6)
   for path, ours in jax.tree_util.tree_flatten_with_path(grads)[0]:

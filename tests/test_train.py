@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 
 import checkpoint
+import errors
+import sharding
 from configs import small
 import data
 import model
@@ -52,6 +54,7 @@ OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --conf
     'model.d_model': 64, 'model.num_heads': 2, 'model.num_kv_heads': 1, 'model.head_dim': 32,
     'model.mlp_hidden': 128,
     'model.sliding_window': 16, 'data.vocab_size': VOCAB, 'data.seq_len': 64,
+    'data.mix_file': '', 'data.eos_token_id': 0, 'data.pad_token_id': 1,  # data.paths below
     'data.global_batch_size': 16, 'data.validation_batches': 1, 'opt.warmup_steps': 4,
     'train.steps': STEPS, 'train.micro_batch_size': 2, 'train.log_every': 1,
     'train.ckpt_every': CKPT_EVERY, 'train.keep_last': 5, 'train.eval_every': 4,
@@ -221,7 +224,7 @@ def test_sigterm_finishes_step_checkpoints_and_resumes_bit_exact(reference, toke
   monkeypatch.setattr(data.Loader, '__next__', next_then_term)
   with pytest.raises(SystemExit) as exit_info:
     train.train(cfg, str(tmp_path))
-  assert exit_info.value.code == train.EXIT_PREEMPTED
+  assert exit_info.value.code == errors.EXIT_PREEMPTED
   assert signal.getsignal(signal.SIGTERM) is handler  # put back
   assert committed(tmp_path) == [2, STOP]  # the step in flight finished and was saved
   monkeypatch.undo()
@@ -340,7 +343,7 @@ def test_only_corrupt_checkpoints_stop_the_run(reference, token_files, tmp_path)
   cfg = tiny_config(token_files)
   with pytest.raises(checkpoint.CorruptCheckpointError, match='No intact checkpoint'):
     train.train(cfg, str(tmp_path))
-  with pytest.raises(FileNotFoundError, match='only corrupt checkpoints'):  # the relaunch
+  with pytest.raises(errors.UserError, match='only corrupt checkpoints'):  # the relaunch
     train.train(cfg, str(tmp_path))
   assert not (tmp_path / 'metrics.jsonl').exists() or not read_metrics(tmp_path)
 
@@ -365,19 +368,21 @@ def float64_losses(cfg, params, batch) -> tuple[float, float]:
 def test_grad_accumulation_matches_one_big_batch(token_files):
   """1, 2 and 4 micro-batches per device (2 devices, global batch 16) give one update."""
   cfg = tiny_config(token_files)
-  mesh = train.make_mesh(cfg.train, jax.devices()[:2])
-  state, shardings = train.create_state(cfg, mesh, jax.random.key(1))
+  mesh = sharding.make_mesh(cfg.train, jax.devices()[:2])
+  state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh,
+                                        jax.random.key(1))
   rng = np.random.default_rng(0)
   batch = data.make_batch(rng.integers(0, VOCAB, (16, 64), dtype=np.int32), eos_token_id=0)
   batch['instance_mask'][5] = False  # a rejected instance: out of the sums, T in the count
   batch['labels'][3, 10:20] = -100
-  sharding = train.batch_sharding(mesh)
-  on_mesh = data.make_global_batch(batch, sharding, np.arange(16), 16)
+  rows = sharding.batch_sharding(mesh)
+  on_mesh = data.make_global_batch(batch, rows, np.arange(16), 16)
 
   results = {}
+  tx = optim.make_optimizer(cfg.opt)
   for micro in (8, 4, 2):
-    accum = data.grad_accum_steps(16, data.num_batch_shards(sharding, 16, 64), micro)
-    step = jax.jit(train.make_train_step(cfg, mesh, accum), out_shardings=(shardings, None))
+    accum = data.grad_accum_steps(16, data.num_batch_shards(rows, 16, 64), micro)
+    step = jax.jit(train.make_train_step(cfg, tx, mesh, accum), out_shardings=(shardings, None))
     results[accum] = jax.device_get(step(state, on_mesh))
   assert sorted(results) == [1, 2, 4]
 
@@ -449,8 +454,9 @@ def test_7b_that_cannot_fit_fails_before_allocating(tmp_path):
   # is 43.8 GB per device, more than this machine's memory (or any laptop's).
   train_file = REPO / 'data' / 'shakespeare-train-00000.npy'
   rc, err, seconds, rss = _run_7b(tmp_path, f'--config.data.paths={train_file}', devices=2)
-  assert rc != 0 and 'MemoryError' in err
-  assert '43.79 GB per device' in err and 'plan.py' in err, err[-2000:]
+  assert rc == errors.EXIT_USAGE
+  line = error_line(err)
+  assert '43.79 GB per device' in line and 'plan.py' in line, err[-2000:]
   assert seconds < 60 and rss < 2, (seconds, rss)
 
 
@@ -463,13 +469,14 @@ def test_dry_run_points_to_the_planner(tmp_path):
 
 def test_state_fit_check_uses_the_sharded_bytes(token_files, monkeypatch):
   cfg = tiny_config(token_files)
-  mesh = train.make_mesh(cfg.train)
-  params, opt = train.state_bytes(cfg, dict(mesh.shape))
-  monkeypatch.setattr(train, 'device_memory_bytes', lambda: (params + opt, 'test'))
-  train.check_state_fits(cfg, mesh)  # exactly fits
-  monkeypatch.setattr(train, 'device_memory_bytes', lambda: (params + opt - 1, 'test'))
-  with pytest.raises(MemoryError, match='per device'):
-    train.check_state_fits(cfg, mesh)
+  mesh = sharding.make_mesh(cfg.train)
+  abstract = train.abstract_state(cfg, optim.make_optimizer(cfg.opt))
+  params, opt = sharding.state_bytes(abstract, dict(mesh.shape))
+  monkeypatch.setattr(sharding, 'device_memory_bytes', lambda: (params + opt, 'test'))
+  sharding.check_state_fits(abstract, mesh)  # exactly fits
+  monkeypatch.setattr(sharding, 'device_memory_bytes', lambda: (params + opt - 1, 'test'))
+  with pytest.raises(errors.ConfigError, match='per device'):
+    sharding.check_state_fits(abstract, mesh)
 
 
 # --- Bad input through the CLI: one line naming the fix, nothing lost -------------------
@@ -512,7 +519,7 @@ def error_line(stderr: str) -> str:
 def test_cli_mistakes_are_one_line_and_write_nothing(token_files, tmp_path, flags, config,
                                                       script, named):
   proc = run_cli(tmp_path / 'run', token_files, *flags, config=config, script=script)
-  assert proc.returncode == 1
+  assert proc.returncode == errors.EXIT_USAGE
   assert proc.stderr.strip() == error_line(proc.stderr)  # the only output
   for text in named:
     assert text in proc.stderr
@@ -529,11 +536,11 @@ def resumable(reference, tmp_path) -> pathlib.Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize('flags, rc, named', [
-    (['--config.data.seed=1', '--config.model.mlp_hidden=96', '--config.opt.lr=1e-3'], 1,
-     ['error: The checkpoint at step 8 was trained with other settings',
+    (['--config.data.seed=1', '--config.model.mlp_hidden=96', '--config.opt.lr=1e-3'],
+     errors.EXIT_USAGE, ['error: The checkpoint at step 8 was trained with other settings',
       'data.seed: 34521 -> 1; model.mlp_hidden: 128 -> 96.',
       '--config.train.allow_config_change=True', 'opt.lr: 0.003 -> 0.001']),
-    (['--config.train.steps=4'], 1,
+    (['--config.train.steps=4'], errors.EXIT_USAGE,
      ["error: train.steps=4 is below the checkpoint's step 8", 'Set --config.train.steps above 8']),
     (['--config.data.seed=1', '--config.train.allow_config_change=True'], 0,
      ['data.seed: 34521 -> 1', 'this run is complete']),
@@ -571,7 +578,7 @@ def test_divergence_stops_and_keeps_the_last_healthy_checkpoint(
   """
   proc = run_cli(resumable, token_files, f'--config.opt.lr={lr}', '--config.train.steps=14',
                  '--config.train.keep_last=2', *flags)
-  assert proc.returncode == train.EXIT_DIVERGED, proc.stderr[-3000:]
+  assert proc.returncode == errors.EXIT_DIVERGED, proc.stderr[-3000:]
   message = [line for line in proc.stderr.splitlines() if line.startswith('DIVERGED: ')]
   assert len(message) == 1 and reason in message[0], proc.stderr[-3000:]
   assert f'Stopped at step {trip}' in message[0]
@@ -610,7 +617,7 @@ def test_second_run_on_a_workdir_fails_fast_and_the_first_finishes(reference, to
     out, _ = first.communicate(timeout=300)
   finally:
     first.kill()
-  assert second.returncode == 1 and seconds < 60, (seconds, second.stderr[-3000:])
+  assert second.returncode == errors.EXIT_USAGE and seconds < 60, (seconds, second.stderr[-3000:])
   line = error_line(second.stderr)
   assert f'in use by another training run (host {socket.gethostname()}, PID {first.pid}' in line
   assert 'step' not in second.stdout  # it trained nothing

@@ -12,7 +12,9 @@ these flags: runs compared bit for bit across processes are compiled alike.
 
 import os
 
-TEST_FLAGS = '--xla_backend_optimization_level=0'
+# kernels.xla.CPU_FLAGS too, as train.py sets them (tests run its code in-process too).
+TEST_FLAGS = ('--xla_backend_optimization_level=0 '
+              '--xla_cpu_enable_concurrency_optimized_scheduler=false')
 
 
 def with_devices(devices: int) -> str:

@@ -1,100 +1,33 @@
-"""What stops a bad run before it costs anything, apart from the training itself.
+"""Run health: what watches a training run while it trains, and how it stops.
 
-- Resuming: every config field changed since the checkpoint is logged, and a
-  change that makes it another run (shapes, data, seeds) is refused.
-- The divergence guard: judges each step (loss bound, skipped steps in a
-  row) and whether the state is healthy enough for retention to protect.
+- The divergence guard judges each step (loss bound, skipped steps in a row)
+  and whether the state is healthy enough for retention to protect;
+  `stop_diverged` saves the state as unhealthy and exits EXIT_DIVERGED.
 - The data: instance ids seen twice in an epoch (a bitmap of N bits), and
   training CE falling away from held-out CE (memorization).
-- The command line: a misspelled --config.* field or a missing config file
-  becomes one line naming the fix, for train.py and plan.py.
-train.py acts on their verdicts (exit codes, checkpoints, messages).
+- Preemption: SIGTERM/SIGINT stop the loop after the current step, with a
+  checkpoint, on every process at the same step.
+- The heartbeat scripts/launch.py's stall watchdog reads.
+train.py calls them from its loop.
 """
 
-import contextlib
-import difflib
 import hashlib
-import importlib.util
-import json
 import os
+import signal
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
-from absl import app, flags, logging
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-import model
+import checkpoint
+import errors
+import metrics
 
-# --- Resuming: the config must still describe the same run ------------------------------------
-
-
-class RunError(ValueError):
-  """A run refused before it trains (a changed config, steps behind the checkpoint).
-
-  main() prints it as one line and exits 1; nothing on disk was changed.
-  """
-
-
-# Changing one of these on resume starts a different run, not a continuation
-# of the checkpoint's: the weights' shapes and the function they compute,
-# which tokens each step reads, and the init. Everything else (LR, logging,
-# mesh, ...) may change and is only logged.
-RUN_DEFINING_FIELDS = (*(f'model.{f}' for f in model.ARCHITECTURE_FIELDS),
-                       'model.sliding_window_plus_one', 'model.yarn', 'data.paths',
-                       'data.mix_file', 'data.base_dir', 'data.seq_len',
-                       'data.global_batch_size', 'data.seed', 'train.seed')
-ABSENT = '(absent)'  # a field one side's code did not have
-
-
-def _flat(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f'{prefix}{key}.'))
-    else:
-      out[prefix + key] = value
-  return out
-
-
-def config_changes(saved: dict[str, Any], cfg: ml_collections.ConfigDict
-                   ) -> dict[str, tuple[Any, Any]]:
-  """{dotted field: (saved value, current value)} for every field that differs.
-
-  The current config goes through JSON first, as the saved one did (tuples
-  become lists), so only real differences show.
-  """
-  old, new = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
-  pairs = {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())}
-  return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
-
-
-def check_resume(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> None:
-  """Logs every config field changed since the checkpoint; refuses a different run.
-
-  Refused unless train.allow_config_change: a change to RUN_DEFINING_FIELDS.
-  Always refused: train.steps below the checkpoint's step, which the run has
-  passed (and equal is a finished run: train() says so and exits 0).
-  """
-  step = meta['step']
-  changes = config_changes(meta['config'], cfg) if 'config' in meta else {}
-  for field, (old, new) in changes.items():
-    logging.warning('Config changed since checkpoint step %d: %s: %r -> %r.', step, field, old,
-                    new)
-  defining = [f for f in changes if any(f == d or f.startswith(d + '.')
-                                        for d in RUN_DEFINING_FIELDS)]
-  if defining and not cfg.train.allow_config_change:
-    listed = '; '.join(f'{f}: {changes[f][0]!r} -> {changes[f][1]!r}' for f in defining)
-    raise RunError(
-        f'The checkpoint at step {step} was trained with other settings that define the run '
-        f'(the weights\' shapes, the data order or the init): {listed}. Resuming would not '
-        'continue that run. Rerun with the checkpoint\'s values, use another --workdir for a '
-        'new run, or pass --config.train.allow_config_change=True to resume anyway (to read '
-        'the same files from a new place, set --config.data.path_remap instead).')
-  if cfg.train.steps < step:
-    raise RunError(f'train.steps={cfg.train.steps} is below the checkpoint\'s step {step}: the '
-                   f'run is past it. Set --config.train.steps above {step} to train on, or use '
-                   'another --workdir for a new run.')
+# --- Divergence -------------------------------------------------------------------------
 
 
 class DivergenceGuard:
@@ -137,6 +70,25 @@ class DivergenceGuard:
   @property
   def healthy(self) -> bool:
     return self.reason is None and self.skips == 0
+
+
+def stop_diverged(reason: str, step: int, cfg: ml_collections.ConfigDict,
+                  ckpt: checkpoint.Checkpointer, state: Any, meta: dict[str, Any],
+                  writer: metrics.MetricWriter) -> NoReturn:
+  """Records why, saves the state as unhealthy, says what to do, exits EXIT_DIVERGED."""
+  writer.write(step, {'guard/diverged': 1.0, 'guard/reason': reason})
+  ckpt.save(step, state, {**meta, 'diverged': reason}, healthy=False)
+  ckpt.wait()
+  healthy = ckpt.latest_healthy_step()
+  back = (f'The last healthy checkpoint is step {healthy}: to resume from it, move the newer '
+          f'step_* directories out of {ckpt.directory}, then rerun with the cause fixed'
+          if healthy is not None else
+          'No healthy checkpoint exists yet: start again in a new --workdir with the cause fixed')
+  print(f'DIVERGED: {reason}. Stopped at step {step}; its state is saved for inspection as '
+        f'checkpoint step {step}, marked unhealthy. {back} (e.g. a lower --config.opt.lr, now '
+        f'{cfg.opt.lr:g}), or, if the run was in fact healthy, raise --config.train.max_loss '
+        f'or --config.train.max_consecutive_skips.', file=sys.stderr, flush=True)
+  raise SystemExit(errors.EXIT_DIVERGED)
 
 
 # --- The data: repeated instances, memorization ---------------------------------------------
@@ -223,6 +175,15 @@ class RepeatTracker:
       aliases.append((int(ds.starts[j]), int(ds.starts[j + 1]), int(ds.starts[i] - ds.starts[j])))
     return cls(ds.num_instances, aliases)
 
+  @classmethod
+  def for_run(cls, ds: Any, loader: Any) -> 'RepeatTracker':
+    """for_dataset, with a resumed epoch's earlier batches (data.Loader `loader`) marked seen."""
+    tracker = cls.for_dataset(ds)
+    if loader.step:
+      tracker.replay(loader.epoch,
+                     (loader.ids_at(loader.epoch, s) for s in range(loader.step)))
+    return tracker
+
   def observe(self, epoch: int, ids: np.ndarray) -> int:
     """Marks one step's ids; returns how many were already seen this epoch (and warns)."""
     if epoch != self.epoch:
@@ -274,8 +235,8 @@ class MemorizationWatch:
   """
 
   def __init__(self, threshold: float, evals: int):
-    if not threshold > 0 or evals < 2:  # RunError: train.py prints it as one line, exit 1
-      raise RunError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
+    if not threshold > 0 or evals < 2:  # one line from train.py, EXIT_USAGE
+      raise errors.ConfigError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
                      f'>= 2; got {threshold} and {evals}. Set --config.train.memorization_*.')
     self.threshold, self.evals = threshold, evals
     self.train: list[tuple[int, float]] = []  # (step, train CE) logged since the last eval
@@ -333,93 +294,61 @@ class MemorizationWatch:
     return {'guard/memorization': warning}
 
 
-# --- The command line -------------------------------------------------------------------
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+# --- Stopping: preemption, the launcher's heartbeat -------------------------------------
 
 
-@contextlib.contextmanager
-def config_mistakes_in_one_line(argv: list[str], default_config: str | None):
-  """Exits with one line naming the fix where ml_collections raises for a bad --config.
+class Preemption:
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits.
 
-  It raises an unknown --config.* field as three chained tracebacks, and a
-  missing --config file only once the config is first read (as
-  'config_config'); both come from parsing argv, which is only read here.
+  close() puts the previous handlers back (train() may run inside a larger program).
   """
-  try:
-    yield
-  except (AttributeError, KeyError, OSError):
-    mistake = config_mistake(*_config_args(argv, default_config))
-    if mistake:
-      sys.exit(f'error: {mistake}')
-    raise
+
+  def __init__(self):
+    self.requested = False
+    self._previous = {sig: signal.signal(sig, self._handle)
+                      for sig in (signal.SIGTERM, signal.SIGINT)}
+
+  def _handle(self, signum, frame):
+    del frame
+    logging.warning('Signal %d: will checkpoint after this step and exit.', signum)
+    self.requested = True
+
+  def agreed(self) -> bool:
+    """Whether any process was signalled; every process must stop at the same step.
+
+    Multi-process runs pay one tiny host collective per step for this: a
+    process that stopped alone would leave the others hanging in the next step.
+    """
+    if jax.process_count() == 1:
+      return self.requested
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+
+  def close(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """app.run's flag parser for train.py and plan.py: config mistakes in one line."""
-  default = getattr(flags.FLAGS['config'], 'default_unparsed', None)  # set when argv has no --config
-  with config_mistakes_in_one_line(argv, default):
-    rest = app.parse_flags_with_usage(argv)
-    flags.FLAGS.config.keys()  # a config file that failed to load raises on this first read
-  return rest
+HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'  # set by scripts/launch.py for its stall watchdog
 
 
-def _config_args(argv: list[str], default_config: str | None) -> tuple[str | None, list[str]]:
-  """The --config file and the --config.* override paths, as argv spells them."""
-  path, overrides = default_config, []
-  for arg, following in zip(argv[1:], [*argv[2:], None]):
-    name, equals, value = arg.lstrip('-').partition('=')
-    if name == 'config':
-      path = value if equals else following
-    elif name.startswith(('config.', 'noconfig.')):
-      overrides.append(name.split('.', 1)[1])
-  return path, overrides
+class Heartbeat:
+  """Touches the file scripts/launch.py names in $OLMO_HEARTBEAT_FILE, once per step.
 
+  The launcher kills and restarts a trainer whose heartbeat is older than its
+  --stall_timeout (a process stopped, or deadlocked outside a collective that
+  its peers' heartbeat timeout would end). Without the variable it does nothing.
+  """
 
-def config_mistake(path: str | None, overrides: list[str]) -> str | None:
-  """What is wrong with --config=`path` or one of its overrides, and the fix; None if neither."""
-  if not path:
-    return None
-  if not os.path.isfile(path.split(':', 1)[0]):
-    return _missing_config(path)
-  cfg = _load_config(path)
-  if not isinstance(cfg, ml_collections.ConfigDict):
-    return None
-  for override in overrides:
-    problem = _unknown_field(cfg, override)
-    if problem:
-      return f'--config.{override}: {problem}'
-  return None
+  def __init__(self):
+    self.path = os.environ.get(HEARTBEAT_ENV)
 
-
-def _load_config(path: str) -> Any:
-  """get_config() of a config file, as --config=FILE[:ARG] runs it."""
-  file, _, arg = path.partition(':')
-  spec = importlib.util.spec_from_file_location('config_being_checked', file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(*[arg] if arg else [])
-
-
-def _missing_config(path: str) -> str:
-  names = sorted(n for n in os.listdir(CONFIG_DIR) if n.endswith('.py') and n != '__init__.py')
-  here = os.path.relpath(CONFIG_DIR)
-  close = difflib.get_close_matches(os.path.basename(path.split(':', 1)[0]), names, n=1)
-  hint = (f'did you mean --config={os.path.join(here, close[0])}?' if close else
-          'the configs are ' + ', '.join(os.path.join(here, n) for n in names))
-  return f'--config={path}: no such file (relative paths start at {os.getcwd()}); {hint}'
-
-
-def _unknown_field(cfg: ml_collections.ConfigDict, override: str) -> str | None:
-  """Why `override` (e.g. 'train.stpes') names no field of `cfg`, with the closest one."""
-  node, seen = cfg, []
-  for key in override.split('.'):
-    if not isinstance(node, ml_collections.ConfigDict):
-      return f'{".".join(seen)} is a value of type {type(node).__name__}, not a group of fields'
-    if key not in node:
-      close = difflib.get_close_matches(key, list(node.keys()), n=1)
-      hint = (f'did you mean --config.{".".join([*seen, close[0]])}?' if close else
-              f'its fields are {", ".join(sorted(node.keys()))}')
-      return f'{".".join(seen) or "the config"} has no field {key!r}; {hint}'
-    node, seen = node[key], [*seen, key]
-  return None
+  def beat(self) -> None:
+    if not self.path:
+      return
+    try:
+      with open(self.path, 'a'):
+        os.utime(self.path)
+    except OSError as e:  # the watchdog is a helper: never stop training for it
+      logging.warning('Cannot touch the heartbeat file %s (%s); the launcher may take this '
+                      'trainer for stalled.', self.path, e)
+      self.path = None

@@ -1,0 +1,284 @@
+"""Is this config one that can run, is it still the same run, and was it typed right?
+
+- `complete`: fills in what the config leaves to the data (the tokenizer's
+  vocab size and ids, its file, the held-out set, the padded model vocab)
+  from the mix's own description, and refuses a stated value that
+  contradicts it. Entry points run it first, then `validate`.
+- `validate`: every field's rule (model, optimizer, train loop, data
+  settings), checked once, by the entry point, before anything is built or
+  written. A broken rule is an errors.ConfigError naming the field and the fix.
+- Resuming: every config field changed since the checkpoint is logged, and a
+  change that makes it another run (shapes, data, seeds) is refused.
+- The command line: a misspelled --config.* field or a missing config file
+  becomes one line naming the fix, for train.py, plan.py and the scripts.
+"""
+
+import contextlib
+import difflib
+import importlib.util
+import json
+import os
+from typing import Any
+
+from absl import app, flags, logging
+import ml_collections
+
+import errors
+import kernels
+import model
+import optim
+import token_files
+
+# --- What the data says about itself ---------------------------------------------------
+
+TOKENIZER_FIELDS = ('vocab_size', 'eos_token_id', 'pad_token_id', 'bos_token_id')
+VOCAB_MULTIPLE = 128  # OLMo-core pads the embedding to a multiple of 128 (dolma2: 100,352)
+
+
+def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Fills cfg.data's tokenizer settings, tokenizer file and held-out set in from its mix file.
+
+  A mix written by scripts/prepare_data.py says which tokenizer made it (its
+  `# tokenizer` line) and which files it held out (`# validation`); Ai2's
+  mixes say neither, and their configs state the values. For each of
+  data.vocab_size, eos_token_id, pad_token_id and bos_token_id: an unset
+  (None) field takes the mix's value; a set one must equal it. Then an unset
+  data.tokenizer takes the mix's tokenizer file, empty data.validation_paths
+  the mix's held-out files, and an unset model.vocab_size data.vocab_size
+  padded to a multiple of 128. Idempotent; returns `cfg`, changed in place.
+  Raises errors.ConfigError (a contradiction, or a value nothing states) or
+  errors.DataError (a mix that cannot be read).
+  """
+  d = cfg.data
+  if tuple(d.paths) in (('',), ()):  # `--config.data.paths=` on the command line clears it
+    d.paths = ()
+  header = {'tokenizer': None, 'validation': []}
+  if d.mix_file:
+    try:
+      header = token_files.read_mix_header(d.mix_file, base_dir=d.base_dir)
+    except FileNotFoundError as e:
+      raise errors.DataError(f'data.mix_file={d.mix_file!r} does not exist; set '
+                             '--config.data.mix_file to a mix file (label,path lines).') from e
+    except ValueError as e:
+      raise errors.DataError(str(e)) from e
+  described = header['tokenizer'] or {}
+  where = (f'the mix file {d.mix_file} (tokenizer {described.get("name")!r})' if described else
+           f'the mix file {d.mix_file}' if d.mix_file else 'data.paths')
+  for field in TOKENIZER_FIELDS:
+    stated, theirs = d[field], described.get(field)
+    if field in described and stated is None:
+      d[field] = theirs
+    elif field in described and stated != theirs:
+      raise errors.ConfigError(
+          f'data.{field}={stated} contradicts {where}, whose tokens were made with '
+          f'{field}={theirs}. Drop the override (the mix fills it in), or use a mix tokenized '
+          f'with {field}={stated}.')
+    elif stated is None and field != 'bos_token_id':
+      raise errors.ConfigError(
+          f'data.{field} is unset and {where} does not say which tokenizer made the data. Set '
+          f'--config.data.{field}, or tokenize the data with scripts/prepare_data.py, whose mix '
+          'file records it.')
+  if not d.tokenizer and described.get('file'):
+    d.tokenizer = described['file']
+  if not d.validation_paths and header['validation']:
+    d.validation_paths = tuple(path for path, _ in header['validation'])
+  if cfg.model.vocab_size is None:
+    cfg.model.vocab_size = -(-d.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  return cfg
+
+
+# --- Validation -------------------------------------------------------------------------
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Refuses a config that cannot run, naming the field and the fix; touches nothing.
+
+  Raises errors.ConfigError. The model's and optimizer's own rules live beside
+  what they describe (model.validate, optim.check_config); this runs them all.
+  """
+  try:
+    model.validate(cfg.model)
+    optim.check_config(cfg.opt)
+    kernels.context_parallel.check_seq_len(cfg.data.seq_len, cfg.train.mesh_context)
+  except ValueError as e:
+    raise errors.ConfigError(str(e)) from e
+  if cfg.data.vocab_size > cfg.model.vocab_size:
+    raise errors.ConfigError(
+        f'data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size='
+        f'{cfg.model.vocab_size}: token ids would index past the embedding. Set '
+        '--config.model.vocab_size to at least data.vocab_size (padded to a multiple of 128).')
+  t = cfg.train
+  rules = (  # field, holds, what it must be
+      ('steps', t.steps >= 1, 'an integer >= 1'),
+      ('log_every', t.log_every >= 1, 'an integer >= 1'),
+      ('ckpt_every', t.ckpt_every >= 1, 'an integer >= 1'),
+      ('keep_last', t.keep_last >= 1, 'an integer >= 1 (the newest checkpoints kept)'),
+      ('keep_every', t.keep_every >= 0, 'an integer >= 0 (0: keep none permanently)'),
+      ('eval_every', t.eval_every >= 0, 'an integer >= 0 (0: never)'),
+      ('micro_batch_size', t.micro_batch_size >= 1, 'an integer >= 1'),
+      ('max_loss', t.max_loss > 0, 'a number > 0, or inf to turn the loss bound off'),
+      ('max_consecutive_skips', t.max_consecutive_skips >= 1, 'an integer >= 1'),
+      ('memorization_threshold', t.memorization_threshold > 0, 'a number of nats > 0'),
+      ('memorization_evals', t.memorization_evals >= 2, 'an integer >= 2'),
+  )
+  for field, holds, rule in rules:
+    if not holds:
+      raise errors.ConfigError(f'cfg.train.{field}={t[field]!r} must be {rule}; set '
+                       f'--config.train.{field} to such a value.')
+
+
+# --- Resuming: the config must still describe the same run ------------------------------
+
+
+# Changing one of these on resume starts a different run, not a continuation
+# of the checkpoint's: the weights' shapes and the function they compute,
+# which tokens each step reads, and the init. Everything else (LR, logging,
+# mesh, ...) may change and is only logged.
+RUN_DEFINING_FIELDS = (*(f'model.{f}' for f in model.ARCHITECTURE_FIELDS),
+                       'model.sliding_window_plus_one', 'model.yarn', 'data.paths',
+                       'data.mix_file', 'data.base_dir', 'data.seq_len',
+                       'data.global_batch_size', 'data.seed', 'train.seed')
+ABSENT = '(absent)'  # a field one side's code did not have
+
+
+def _flat(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def config_changes(saved: dict[str, Any], cfg: ml_collections.ConfigDict
+                   ) -> dict[str, tuple[Any, Any]]:
+  """{dotted field: (saved value, current value)} for every field that differs.
+
+  The current config goes through JSON first, as the saved one did (tuples
+  become lists), so only real differences show.
+  """
+  old, new = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
+  pairs = {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())}
+  return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
+
+
+def check_same_run(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> None:
+  """Logs every config field changed since the checkpoint; refuses a different run.
+
+  Refused unless train.allow_config_change: a change to RUN_DEFINING_FIELDS.
+  Always refused: train.steps below the checkpoint's step, which the run has
+  passed (and equal is a finished run: train() says so and exits 0).
+  """
+  step = meta['step']
+  changes = config_changes(meta['config'], cfg) if 'config' in meta else {}
+  for field, (old, new) in changes.items():
+    logging.warning('Config changed since checkpoint step %d: %s: %r -> %r.', step, field, old,
+                    new)
+  defining = [f for f in changes if any(f == d or f.startswith(d + '.')
+                                        for d in RUN_DEFINING_FIELDS)]
+  if defining and not cfg.train.allow_config_change:
+    listed = '; '.join(f'{f}: {changes[f][0]!r} -> {changes[f][1]!r}' for f in defining)
+    raise errors.ConfigError(
+        f'The checkpoint at step {step} was trained with other settings that define the run '
+        f'(the weights\' shapes, the data order or the init): {listed}. Resuming would not '
+        'continue that run. Rerun with the checkpoint\'s values, use another --workdir for a '
+        'new run, or pass --config.train.allow_config_change=True to resume anyway (to read '
+        'the same files from a new place, set --config.data.path_remap instead).')
+  if cfg.train.steps < step:
+    raise errors.ConfigError(f'train.steps={cfg.train.steps} is below the checkpoint\'s step {step}: the '
+                   f'run is past it. Set --config.train.steps above {step} to train on, or use '
+                   'another --workdir for a new run.')
+
+
+# --- The command line -------------------------------------------------------------------
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+
+
+@contextlib.contextmanager
+def config_mistakes_in_one_line(argv: list[str], default_config: str | None):
+  """Exits with one line naming the fix where ml_collections raises for a bad --config.
+
+  It raises an unknown --config.* field as three chained tracebacks, and a
+  missing --config file only once the config is first read (as
+  'config_config'); both come from parsing argv, which is only read here.
+  """
+  try:
+    yield
+  except (AttributeError, KeyError, OSError):
+    mistake = config_mistake(*_config_args(argv, default_config))
+    if mistake:
+      errors.report(mistake, errors.EXIT_USAGE)
+    raise
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flag parser for train.py and plan.py: config mistakes in one line."""
+  default = getattr(flags.FLAGS['config'], 'default_unparsed', None)  # set when argv has no --config
+  with config_mistakes_in_one_line(argv, default):
+    rest = app.parse_flags_with_usage(argv)
+    flags.FLAGS.config.keys()  # a config file that failed to load raises on this first read
+  return rest
+
+
+def _config_args(argv: list[str], default_config: str | None) -> tuple[str | None, list[str]]:
+  """The --config file and the --config.* override paths, as argv spells them."""
+  path, overrides = default_config, []
+  for arg, following in zip(argv[1:], [*argv[2:], None]):
+    name, equals, value = arg.lstrip('-').partition('=')
+    if name == 'config':
+      path = value if equals else following
+    elif name.startswith(('config.', 'noconfig.')):
+      overrides.append(name.split('.', 1)[1])
+  return path, overrides
+
+
+def config_mistake(path: str | None, overrides: list[str]) -> str | None:
+  """What is wrong with --config=`path` or one of its overrides, and the fix; None if neither."""
+  if not path:
+    return None
+  if not os.path.isfile(path.split(':', 1)[0]):
+    return _missing_config(path)
+  cfg = _load_config(path)
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    return None
+  for override in overrides:
+    problem = _unknown_field(cfg, override)
+    if problem:
+      return f'--config.{override}: {problem}'
+  return None
+
+
+def _load_config(path: str) -> Any:
+  """get_config() of a config file, as --config=FILE[:ARG] runs it."""
+  file, _, arg = path.partition(':')
+  spec = importlib.util.spec_from_file_location('config_being_checked', file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*[arg] if arg else [])
+
+
+def _missing_config(path: str) -> str:
+  names = sorted(n for n in os.listdir(CONFIG_DIR) if n.endswith('.py') and n != '__init__.py')
+  here = os.path.relpath(CONFIG_DIR)
+  close = difflib.get_close_matches(os.path.basename(path.split(':', 1)[0]), names, n=1)
+  hint = (f'did you mean --config={os.path.join(here, close[0])}?' if close else
+          'the configs are ' + ', '.join(os.path.join(here, n) for n in names))
+  return f'--config={path}: no such file (relative paths start at {os.getcwd()}); {hint}'
+
+
+def _unknown_field(cfg: ml_collections.ConfigDict, override: str) -> str | None:
+  """Why `override` (e.g. 'train.stpes') names no field of `cfg`, with the closest one."""
+  node, seen = cfg, []
+  for key in override.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict):
+      return f'{".".join(seen)} is a value of type {type(node).__name__}, not a group of fields'
+    if key not in node:
+      close = difflib.get_close_matches(key, list(node.keys()), n=1)
+      hint = (f'did you mean --config.{".".join([*seen, close[0]])}?' if close else
+              f'its fields are {", ".join(sorted(node.keys()))}')
+      return f'{".".join(seen) or "the config"} has no field {key!r}; {hint}'
+    node, seen = node[key], [*seen, key]
+  return None

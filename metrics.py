@@ -1,0 +1,194 @@
+"""What a run reports: metrics.jsonl and TensorBoard, the progress line, MFU.
+
+Metric names are Ai2's W&B names ('train/CE loss', 'optim/LR',
+'throughput/device/TPS', ...), so a run's curves line up with OLMo-core's.
+MFU is model FLOPs per token (model.flops_per_token, OLMo-core's definition)
+times tokens per second over the device's dense bf16 peak: the vendor's
+figure from PEAK_FLOPS, or on CPU a matmul measured at start-up.
+"""
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import events
+import model
+
+# --- Peak FLOP/s and MFU ----------------------------------------------------------------
+
+# Dense bf16 peak FLOP/s per device as JAX names the device kind (vendor spec
+# sheets). TPU7x counts one of the two devices per chip.
+PEAK_FLOPS = {
+    'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12,
+    'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 2307e12 / 2,
+    'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
+}
+
+
+def peak_flops(cfg_train: ml_collections.ConfigDict) -> float | None:
+  """Per-device peak for MFU: the config override, the table, or a CPU matmul measurement."""
+  if cfg_train.peak_flops:
+    return float(cfg_train.peak_flops)
+  kind = jax.devices()[0].device_kind
+  if kind in PEAK_FLOPS:
+    return PEAK_FLOPS[kind]
+  if jax.devices()[0].platform == 'cpu':
+    return measured_matmul_flops()
+  logging.warning('No peak FLOP/s known for %r; MFU is not reported. Set train.peak_flops.', kind)
+  return None
+
+
+def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+  """Best float32 matmul FLOP/s of one device; the CPU's practical peak.
+
+  On simulated multi-device CPUs all devices share the same cores, so this is
+  divided among them by the caller's per-device accounting only if they run
+  concurrently; we report against one device's measured rate.
+  """
+  x = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
+  return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+# --- The metric log ---------------------------------------------------------------------
+
+
+class MetricWriter:
+  """metrics.jsonl and TensorBoard event files under Ai2's W&B names, process 0 only.
+
+  Resuming at step `start` drops what a run killed after its last checkpoint
+  logged past it: JSONL records with step > start (and a line cut by the
+  kill) are removed, and TensorBoard is told to purge them (a SessionLog
+  START at start + 1), so both hold exactly one history of the run.
+  """
+
+  def __init__(self, workdir: str, start: int = 0):
+    self.enabled = jax.process_index() == 0
+    if not self.enabled:
+      return
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if os.path.exists(path):
+      kept = []
+      with open(path) as f:
+        for line in f:
+          try:
+            if json.loads(line)['step'] <= start:
+              kept.append(line.rstrip('\n') + '\n')
+          except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a record cut short by a hard kill
+      with open(path + '.tmp', 'w') as f:
+        f.writelines(kept)
+      os.replace(path + '.tmp', path)
+    self.jsonl = open(path, 'a')
+    # Tags are written as they are ('train/CE loss'); TensorBoard accepts any tag.
+    self.tb = events.Writer(os.path.join(workdir, 'tensorboard'))
+    if start:
+      self.tb.start_session(start + 1)
+
+  def write(self, step: int, metrics: dict[str, float | str]) -> None:
+    """One record; numbers become TensorBoard scalars, strings its text summaries."""
+    if not self.enabled:
+      return
+    self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
+    self.jsonl.flush()
+    self.tb.summary(step, [events.text_value(name, value) if isinstance(value, str)
+                           else events.scalar_value(name, value)
+                           for name, value in metrics.items()])
+
+  def close(self) -> None:
+    if self.enabled:
+      self.jsonl.close()
+      self.tb.close()
+
+
+# --- The progress line ------------------------------------------------------------------
+
+
+class Progress:
+  """Each step's metrics: to the divergence guard, metrics.jsonl + TensorBoard, the console.
+
+  Metrics stay on device until flush() (log and save steps), so the loop
+  never waits on the host in between; flush() hands every step to the guard,
+  in order, before anything else sees it.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, writer: MetricWriter,
+               guard: Any, devices: int, start: int):
+    self.writer, self.guard, self.devices, self.steps = writer, guard, devices, cfg.train.steps
+    self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    self.flops_per_token = model.flops_per_token(cfg.model, cfg.data.seq_len)
+    self.peak = peak_flops(cfg.train)
+    self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+    self.window_start, self.window_step, self.data_wait = time.perf_counter(), start, 0.0
+
+  def add(self, step: int, metrics: dict[str, jax.Array], data_wait: float) -> None:
+    self.pending.append((step, metrics))
+    self.data_wait += data_wait
+
+  def flush(self, log: bool) -> dict[str, float]:
+    """Judges and writes the pending steps; with `log`, prints the last with its speed."""
+    records = [(s, self._record(s, m)) for s, m in jax.device_get(self.pending)]
+    self.pending = []
+    for step, record in records:
+      self.guard.observe(step, record)
+    step, last = records[-1]
+    if log:
+      last.update(self._throughput(step))
+      print(f"step {step:>7d}/{self.steps}  loss {last['train/CE loss']:.4f}  "
+            f"lr {last['optim/LR']:.3g}  gnorm {last['optim/total grad norm']:.3f}  "
+            f"{last['throughput/device/TPS']:,.0f} tok/s/dev  {last['time/step'] * 1e3:.0f} "
+            f"ms/step  eta {_duration((self.steps - step) * last['time/step'])}"
+            + ('  [skipped]' if last['optim/step skipped'] else ''), flush=True)
+    for s, record in records:
+      self.writer.write(s, record)
+    return last
+
+  def _record(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+    record = {k: float(v) for k, v in metrics.items()}
+    record['train/PPL'] = float(np.exp(min(record['train/CE loss'], 80.0)))
+    record['throughput/total tokens'] = step * self.tokens_per_step
+    return record
+
+  def _throughput(self, step: int) -> dict[str, float]:
+    """Per-device speed over the steps since the last log line; starts the next window."""
+    n, seconds = step - self.window_step, time.perf_counter() - self.window_start
+    tps = n * self.tokens_per_step / seconds / self.devices
+    out = {'throughput/device/TPS': tps, 'time/step': seconds / n,
+           'time/data wait': self.data_wait / n}
+    if self.peak:
+      out['throughput/device/MFU'] = tps * self.flops_per_token / self.peak
+    self.window_start, self.window_step, self.data_wait = time.perf_counter(), step, 0.0
+    return out
+
+
+def _duration(seconds: float) -> str:
+  """'1h02m', '3m05s' or '42s': the ETA of the steps left at the last window's speed."""
+  s = int(round(seconds))
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{s}s'
+
+
+def code_version() -> str:
+  try:
+    return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), check=True
+                          ).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'

@@ -1,0 +1,145 @@
+"""BUILD.md's fault table, the user-mistake rows, driven through the command line.
+
+Each row: `python train.py ...` as a user types it, one `error: ` line on
+stderr and no traceback, the documented exit code (errors.py), and nothing
+written that should not be. The data is a mix prepare_data.py wrote with the
+embedded tokenizer, so train.py fills the tokenizer settings in from it.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import errors
+from script_module import load_script
+from xla_flags import with_devices
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ['--config.model.num_layers=2', '--config.model.layer_pattern=SF',
+        '--config.model.d_model=64', '--config.model.num_heads=2', '--config.model.num_kv_heads=1',
+        '--config.model.head_dim=32', '--config.model.mlp_hidden=128',
+        '--config.model.sliding_window=16', '--config.data.seq_len=64',
+        '--config.data.global_batch_size=8', '--config.data.validation_batches=1',
+        '--config.train.steps=2', '--config.train.ckpt_every=2', '--config.train.eval_every=2',
+        '--config.train.peak_flops=1e11', '--sample_tokens=0']
+
+prepare_data = load_script('prepare_data')
+
+
+@pytest.fixture(scope='module')
+def mix(tmp_path_factory) -> pathlib.Path:
+  """A 120-document mix (1 held out) tokenized with data/tokenizer.json."""
+  root = tmp_path_factory.mktemp('own_text')
+  rng = np.random.default_rng(0)
+  words = ['thou', 'art', 'the', 'king', 'and', 'I', 'shall', 'speak', 'of', 'love', 'night']
+  docs = [' '.join(rng.choice(words, 150)) for _ in range(120)]
+  (root / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+  prepare_data.prepare([str(root / 'in.jsonl')], Tokenizer.from_file(str(REPO / 'data' /
+                                                                      'tokenizer.json')),
+                       output_dir=str(root / 'tokens'), prefix='corpus', validation_every=100,
+                       progress=False)
+  return root / 'tokens' / 'corpus.txt'
+
+
+def train_cli(workdir, *flags, config='configs/small.py', devices=1):
+  argv = [sys.executable, 'train.py', f'--config={config}', f'--workdir={workdir}', *flags]
+  env = dict(os.environ, XLA_FLAGS=with_devices(devices))
+  return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def refused(proc, code: int, *named: str) -> str:
+  """The one `error:` line of a refused run, checked: exit code, no traceback, named texts."""
+  assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(lines) == 1, proc.stderr[-3000:]
+  for text in named:
+    assert text in lines[0], lines[0]
+  return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('flags, config, code, named', [
+    ([], 'configs/olmo3_7b.py', errors.EXIT_DATA, ['No training data configured',
+                                                   'data.mix_file', 'data.paths']),
+    (['--config.data.paths=("x.npy",)'], 'configs/small.py', errors.EXIT_DATA,
+     ['both set', '--config.data.mix_file=']),
+    (['--config.data.mix_file=/nonexistent/mix.txt'], 'configs/small.py', errors.EXIT_DATA,
+     ['/nonexistent/mix.txt']),
+    (['--config.train.stpes=3'], 'configs/small.py', errors.EXIT_USAGE,
+     ['did you mean --config.train.steps?']),
+    (['--config.opt.lr=inf'], 'configs/small.py', errors.EXIT_USAGE, ['cfg.opt.lr=inf']),
+    (['--config.train.mesh_data=3'], 'configs/small.py', errors.EXIT_USAGE,
+     ['does not fit 8 devices']),
+    (['--config.train.init_from=/nonexistent/ckpt'], 'configs/small.py', errors.EXIT_USAGE,
+     ['train.init_from', '/nonexistent/ckpt']),
+])
+def test_a_mistake_is_one_line_with_its_exit_code_and_writes_nothing(tmp_path, flags, config,
+                                                                     code, named):
+  proc = train_cli(tmp_path / 'run', *flags, config=config, devices=8)
+  refused(proc, code, *named)
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_stage3_checks_init_from_then_the_devices_before_any_packing(tmp_path, mix):
+  missing = train_cli(tmp_path / 'w', '--config.train.init_from=/nonexistent/stage2',
+                      config='configs/long_context_small.py')
+  refused(missing, errors.EXIT_USAGE, 'train.init_from')
+  few = train_cli(tmp_path / 'w', config='configs/long_context_small.py')  # context 4, 1 device
+  refused(few, errors.EXIT_USAGE, 'context=4', 'does not fit 1 devices')
+  assert not (tmp_path / 'w').exists()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_setting_that_contradicts_the_mix_is_refused(tmp_path, mix):
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={mix}',
+                   '--config.data.eos_token_id=5', *TINY)
+  refused(proc, errors.EXIT_USAGE, 'data.eos_token_id=5 contradicts the mix file',
+          'eos_token_id=0')
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_workdir_that_is_a_file_is_one_line(tmp_path, mix):
+  (tmp_path / 'run').write_text('not a directory')
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={mix}', *TINY)
+  refused(proc, errors.EXIT_USAGE, 'is a file, not a directory')
+  assert (tmp_path / 'run').read_text() == 'not a directory'
+
+
+@pytest.mark.slow
+def test_resume_mistakes_keep_every_checkpoint(tmp_path, mix):
+  """A real 2-step run on the prepared mix, then the resume rows of the table."""
+  work = tmp_path / 'run'
+  first = train_cli(work, f'--config.data.mix_file={mix}', *TINY)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert 'validation loss' in first.stdout  # the mix's held-out document, filled in
+  kept = sorted(os.listdir(work / 'checkpoints'))
+  assert kept == ['step_2']
+
+  changed = train_cli(work, f'--config.data.mix_file={mix}', *TINY, '--config.data.seed=7')
+  refused(changed, errors.EXIT_USAGE, 'data.seed', 'allow_config_change')
+  behind = train_cli(work, f'--config.data.mix_file={mix}', *TINY, '--config.train.steps=1')
+  refused(behind, errors.EXIT_USAGE, 'train.steps=1 is below')
+
+  shard = mix.parent / 'corpus-00000.npy'
+  backup = tmp_path / 'backup.npy'
+  shutil.copy(shard, backup)
+  try:
+    with open(shard, 'ab') as f:  # the data changed since the checkpoint
+      f.write(np.zeros(64, '<u4').tobytes())
+    rewritten = train_cli(work, f'--config.data.mix_file={mix}', *TINY,
+                          '--config.train.steps=4')
+    refused(rewritten, errors.EXIT_DATA, 'corpus-00000.npy')
+  finally:
+    shutil.copy(backup, shard)
+  assert sorted(os.listdir(work / 'checkpoints')) == kept
+  assert os.path.isfile(work / 'error.log')  # the stacks went to the log

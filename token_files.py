@@ -1,0 +1,441 @@
+"""Token files and mixes: what both datasets (data.Dataset, packed.PackedDataset) read.
+
+Reading order:
+
+  mixes        read_mix, read_mix_header, remap_path, source_order, config_sources:
+               which files, in which order (OLMo-core DataMix.build, source
+               permutation), and what a mix says about itself (its tokenizer, its
+               held-out files).
+  files        TokenFile, inspect_file, check_sample: a file's layout (raw
+               little-endian uint32, or a true .npy of uint32) and a bounded
+               plausibility check of its ids; vocab_error, the one message for
+               an id past the vocabulary.
+  maps         TokenMaps: the read-only memory maps the datasets read through.
+  fingerprint  fingerprint, FINGERPRINT_VERSION: OLMo-core's dataset fingerprint.
+  caches       write_atomic, checksum, write_checksummed, checksum_problem: the
+               on-disk caches (the global order, the packings) and their xxh3
+               sidecar files.
+
+Glossary: n tokens in a file, V vocab size; a file's tokens are uint32 [n].
+"""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import random
+import threading
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+from errors import DataError, MissingDataError
+
+FINGERPRINT_VERSION = 'v2.0'  # OLMo-core NumpyDatasetBase.fingerprint_version
+TOKEN_DTYPE = np.dtype('<u4')  # OLMo-core NumpyDatasetDType.uint32, little-endian on disk
+CHECKSUM_SUFFIX = '.xxh3'  # beside each cache file: its xxh3-64 hex digest
+_NPY_MAGIC = b'\x93NUMPY'  # as a uint32 token this is 1.3e9, far above any vocab
+_MAX_OPEN_MAPS = 128  # each map holds a file descriptor; 951 stage-1 files exceed ulimit 1024
+_SAMPLE_HEAD = 1 << 16  # tokens check_sample reads from the start of each file,
+_SAMPLE_CHUNKS, _SAMPLE_CHUNK = 4, 1 << 12  # and chunks of tokens spread over the rest
+_INT64_EVIDENCE = 16  # nonzero low words before a file with zero high words is called int64
+_STRAY_IDS_TOLERATED = 1  # out-of-vocabulary ids in a sample left for Dataset.read to report
+
+
+# ----------------------------------------------------------------------------
+# Mixes.
+
+
+def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
+             path_remap: Sequence[str] = ()) -> tuple[list[str], list[str], list[int | None]]:
+  """Parses an OLMo-core mix file into (paths, labels, listed sizes).
+
+  Lines are `label,path` (OLMo-core `DataMix.build`), or `label,path,bytes` where
+  our own manifests (scripts/prepare_data.py) list each file's size; `#` starts
+  a comment (read_mix_header reads the structured ones). `{TOKENIZER}` becomes
+  `tokenizer_id`; relative paths are joined to `base_dir` (left relative
+  without one: fetch_data.py joins them to a URL); then `path_remap`
+  ('PREFIX=REPLACEMENT' strings) rewrites URL-like prefixes to local mirrors.
+  A config's mix (config_sources) defaults base_dir to the mix's own folder.
+  """
+  if not os.path.isfile(mix_file):
+    raise MissingDataError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
+                           'file of `label,path` lines (like olmo_core/data/mixes/*.txt).')
+  paths, labels, sizes = [], [], []
+  with open(mix_file) as f:
+    for line_no, line in enumerate(f, 1):
+      line = line.strip()
+      if not line or line.startswith('#'):
+        continue
+      fields = line.split(',')
+      if len(fields) not in (2, 3) or not fields[1]:
+        raise DataError(f'{mix_file}:{line_no}: expected `label,path` or `label,path,bytes`, '
+                        f'got {line!r}')
+      if len(fields) == 3 and not fields[2].isdigit():
+        raise DataError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
+      path = fields[1].replace('{TOKENIZER}', tokenizer_id)
+      if base_dir and '://' not in path and not os.path.isabs(path):
+        path = base_dir.rstrip('/') + '/' + path  # OLMo-core DataMix.build: f'{base_dir}/{path}'
+      paths.append(remap_path(path, path_remap))
+      labels.append(fields[0])
+      sizes.append(int(fields[2]) if len(fields) == 3 else None)
+  if not paths:
+    raise DataError(f'mix file {mix_file!r} lists no token files (only blanks or comments).')
+  return paths, labels, sizes
+
+
+def mix_base_dir(mix_file: str, base_dir: str = '') -> str:
+  """The folder a config's mix entries are relative to: data.base_dir, else the mix's own
+  (so a prepare_data.py mix works from any working directory)."""
+  return base_dir or os.path.dirname(os.path.abspath(mix_file))
+
+
+def _join(base_dir: str, mix_file: str, path: str) -> str:
+  """A header's path: URLs and absolute paths as they are, else under mix_base_dir."""
+  if '://' in path or os.path.isabs(path):
+    return path
+  return os.path.join(mix_base_dir(mix_file, base_dir), path)
+
+
+MIX_HEADER_KEYS = ('tokenizer', 'validation')  # `# KEY {json}` lines of a mix file
+
+
+def read_mix_header(mix_file: str, *, base_dir: str = '') -> dict[str, Any]:
+  """What a mix file says about itself, from its `# tokenizer {...}` and `# validation {...}`.
+
+  scripts/prepare_data.py writes both:
+    # tokenizer {"name": ..., "file": ..., "vocab_size": V, "eos_token_id": E,
+    #            "pad_token_id": P, "bos_token_id": B or null}
+    # validation {"files": [[path, bytes], ...], "documents": n}
+  Returns {'tokenizer': dict or None, 'validation': [(path, bytes), ...]}, paths
+  resolved as read_mix resolves its entries (the tokenizer's `file` too). A
+  mix without them (OLMo-core's own) gives None and [].
+  """
+  header: dict[str, Any] = {}
+  with open(mix_file) as f:
+    for line_no, line in enumerate(f, 1):
+      key, _, rest = line.lstrip('#').strip().partition(' ')
+      if not line.startswith('#') or key not in MIX_HEADER_KEYS:
+        continue
+      try:
+        header[key] = json.loads(rest)
+      except json.JSONDecodeError as e:
+        raise DataError(f'{mix_file}:{line_no}: the `# {key}` line is not JSON ({e}); '
+                        'rewrite the mix with scripts/prepare_data.py.') from e
+  tokenizer = header.get('tokenizer')
+  if tokenizer is not None and tokenizer.get('file'):
+    tokenizer = dict(tokenizer, file=_join(base_dir, mix_file, tokenizer['file']))
+  validation = [(_join(base_dir, mix_file, p), int(size))
+                for p, size in header.get('validation', {}).get('files', [])]
+  return {'tokenizer': tokenizer, 'validation': validation}
+
+
+def remap_path(path: str, path_remap: Sequence[str]) -> str:
+  """Rewrites the first matching 'PREFIX=REPLACEMENT' prefix of `path`."""
+  for rule in path_remap:
+    prefix, sep, replacement = rule.partition('=')
+    if not sep or not prefix:
+      raise DataError(f'path_remap entry {rule!r} must look like PREFIX=REPLACEMENT, '
+                      "e.g. 's3://ai2-llm/=/data/ai2-llm/'.")
+    if path.startswith(prefix):
+      return replacement + path[len(prefix):]
+  return path
+
+
+def source_order(num_files: int, seed: int | None) -> list[int]:
+  """The file order OLMo-core trains on for `source_permutation_seed` (None: mix order).
+
+  OLMo-core NumpyDatasetConfig._resolve_paths_metadata shuffles the file list
+  (and its labels) with Python's `random.Random(seed).shuffle` before building
+  the dataset, so groups and instance ids follow the shuffled order.
+  """
+  order = list(range(num_files))
+  if seed is not None:
+    random.Random(seed).shuffle(order)
+  return order
+
+
+def config_sources(cfg_data: Any, paths: Sequence[str] | None = None
+                   ) -> tuple[list[str], list[str] | None, list[int | None] | None, str]:
+  """(paths, labels, listed sizes, what to call them) for cfg.data; `paths` overrides it.
+
+  The training set (no `paths`) is put in cfg.data.source_permutation_seed's
+  order; explicit `paths` (held-out sets) keep theirs.
+  """
+  base_dir = cfg_data.base_dir
+  remap = tuple(cfg_data.path_remap)
+  labels = sizes = None
+  training = paths is None
+  if training and cfg_data.mix_file:
+    if cfg_data.paths:
+      raise DataError(f'cfg.data.mix_file ({cfg_data.mix_file}) and cfg.data.paths are both set; '
+                      'keep one: --config.data.mix_file= trains on data.paths, '
+                      '--config.data.paths= on the mix.')
+    paths, labels, sizes = read_mix(cfg_data.mix_file,
+                                    base_dir=mix_base_dir(cfg_data.mix_file, base_dir),
+                                    tokenizer_id=cfg_data.tokenizer_id, path_remap=remap)
+    source = f'mix file {cfg_data.mix_file}'
+  else:
+    if training and not cfg_data.paths:
+      raise DataError('No training data configured: cfg.data.mix_file and cfg.data.paths are '
+                      'both empty. Set --config.data.mix_file=MIX_FILE (label,path lines; '
+                      'relative paths resolve against --config.data.base_dir=ROOT) or '
+                      '--config.data.paths=FILE[,FILE...] (uint32 token files); see '
+                      'docs/data.md.')
+    source = 'cfg.data.paths' if training else 'paths'
+    paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
+                        else os.path.join(base_dir, p), remap)
+             for p in (cfg_data.paths if training else paths)]
+  seed = cfg_data.source_permutation_seed
+  if training and seed is not None:
+    order = source_order(len(paths), seed)
+    paths = [paths[i] for i in order]
+    labels = labels and [labels[i] for i in order]
+    sizes = sizes and [sizes[i] for i in order]
+  return paths, labels, sizes, source
+
+
+# ----------------------------------------------------------------------------
+# Files.
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+  """One token file: its path, size in bytes, header bytes and token count."""
+  path: str
+  size: int  # bytes on disk: what OLMo-core's fingerprint hashes
+  header: int  # 0 for OLMo-core's raw files; the .npy header length otherwise
+  num_tokens: int
+  label: str = ''
+
+
+def inspect_file(path: str, label: str = '', listed_size: int | None = None,
+                 vocab_size: int | None = None) -> TokenFile:
+  """Stats and validates one token file (raw uint32, or a true .npy of uint32).
+
+  Beyond its size and header, a bounded sample of its tokens must look like
+  uint32 ids (and, given `vocab_size`, lie in the vocabulary): see check_sample.
+  """
+  file = _layout(path, label, listed_size)
+  check_sample(file, vocab_size)
+  return file
+
+
+def _layout(path: str, label: str, listed_size: int | None) -> TokenFile:
+  """The file's size, header and token count, from its stat and .npy header."""
+  if '://' in path:
+    raise MissingDataError(f'{path}: remote paths are not read directly; mirror the files locally '
+                           "and map the prefix with cfg.data.path_remap ('s3://bucket/=/local/').")
+  if not os.path.isfile(path):
+    raise MissingDataError(f'{path}: token file does not exist (check cfg.data.base_dir, '
+                           'cfg.data.path_remap and the {TOKENIZER} id).')
+  size = os.path.getsize(path)
+  if listed_size is not None and size != listed_size:
+    what = 'shorter' if size < listed_size else 'longer'
+    raise DataError(f'{path}: file is {size} bytes, {what} than the {listed_size} bytes its mix '
+                    'lists; it was truncated or replaced. Re-copy it or regenerate the mix.')
+  with open(path, 'rb') as f:
+    is_npy = f.read(len(_NPY_MAGIC)) == _NPY_MAGIC
+    if is_npy:
+      f.seek(0)
+      version = np.lib.format.read_magic(f)
+      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                     else np.lib.format.read_array_header_2_0)
+      shape, _, dtype = read_header(f)
+      header = f.tell()
+  if not is_npy:
+    if size % TOKEN_DTYPE.itemsize:
+      raise DataError(f'{path}: size {size} bytes is not a multiple of 4, so it is not a uint32 '
+                      'token file (truncated copy, or a uint16/uint8 file?).')
+    return TokenFile(path, size, 0, size // TOKEN_DTYPE.itemsize, label)
+  if dtype != TOKEN_DTYPE or len(shape) != 1:
+    raise DataError(f'{path}: .npy holds {dtype} of shape {shape}; expected 1-D little-endian '
+                    'uint32 tokens. Re-tokenize with scripts/prepare_data.py, or save the ids '
+                    'with np.save(path, ids.astype(np.uint32)).')
+  if size - header != shape[0] * TOKEN_DTYPE.itemsize:
+    raise DataError(f'{path}: .npy header says {shape[0]} tokens but the file holds '
+                    f'{(size - header) // 4}; the file is truncated.')
+  return TokenFile(path, size, header, shape[0], label)
+
+
+def check_sample(file: TokenFile, vocab_size: int | None = None) -> None:
+  """Refuses a file whose sampled tokens are not plausible uint32 ids.
+
+  An int64 file read as uint32 has a zero in every second word (ids < 2^32,
+  little-endian); real text never does once a few dozen ids are nonzero, so
+  a tiny file is judged too. Other misreadings (uint16, big-endian, another
+  tokenizer) put ids past the vocabulary everywhere. One stray id is left to
+  Dataset.read, which names it if its instance is ever read.
+  """
+  chunks = _sample(file)
+  tokens = np.concatenate([c for _, c in chunks])
+  words = tokens[:tokens.size // 2 * 2].reshape(-1, 2)  # chunks start at even offsets
+  if np.count_nonzero(words[:, 0]) >= _INT64_EVIDENCE and not words[:, 1].any():
+    raise DataError(f'{file.path}: every second 32-bit word of the {tokens.size} sampled tokens '
+                    'is 0: this looks like int64 little-endian ids, not uint32 tokens. '
+                    'Re-tokenize to uint32 with scripts/prepare_data.py, or convert it with '
+                    'np.fromfile(path, np.int64).astype(np.uint32).tofile(new_path).')
+  if vocab_size is None:
+    return
+  stray = [(start + i, int(c[i])) for start, c in chunks for i in np.flatnonzero(c >= vocab_size)]
+  if len(stray) > _STRAY_IDS_TOLERATED:
+    (offset, token), hint = stray[0], _misreading(tokens, vocab_size)
+    raise vocab_error(file.path, token, offset, vocab_size,
+                      f'so are {len(stray) - 1} more of the {tokens.size} tokens sampled: {hint}')
+
+
+def _sample(file: TokenFile) -> list[tuple[int, np.ndarray]]:
+  """(token offset, tokens) of the file's head and of a few chunks spread over the rest.
+
+  A bounded read (~320 KiB): stage 1 has ~950 files of several GB each. Offsets
+  and lengths are even, so 32-bit words pair up as an int64 file's would.
+  """
+  with open(file.path, 'rb') as f:
+
+    def read(start: int, count: int) -> tuple[int, np.ndarray]:
+      f.seek(file.header + TOKEN_DTYPE.itemsize * start)
+      return start, np.fromfile(f, TOKEN_DTYPE, count)
+
+    if file.num_tokens <= _SAMPLE_HEAD + _SAMPLE_CHUNKS * _SAMPLE_CHUNK:
+      return [read(0, file.num_tokens)]
+    stride = (file.num_tokens - _SAMPLE_HEAD) // _SAMPLE_CHUNKS // 2 * 2  # >= _SAMPLE_CHUNK
+    return [read(0, _SAMPLE_HEAD)] + [read(_SAMPLE_HEAD + k * stride, _SAMPLE_CHUNK)
+                                      for k in range(_SAMPLE_CHUNKS)]
+
+
+def _misreading(tokens: np.ndarray, vocab_size: int) -> str:
+  """What out-of-vocabulary uint32 tokens most likely are, read another way."""
+  swapped = tokens.byteswap()
+  if not tokens[::2].any() and (swapped < vocab_size).all():
+    return 'they look like int64 big-endian ids'
+  if (swapped < vocab_size).all():
+    return 'they look like big-endian uint32 ids'
+  if (tokens.view('<u2') < vocab_size).all():
+    return 'they look like uint16 ids'
+  return 'the file was made with another tokenizer (a larger vocabulary) or is corrupt'
+
+
+def vocab_error(path: str, token: int, offset: int, vocab_size: int,
+                why: str = 'the file was made with another tokenizer or is corrupt') -> ValueError:
+  """The error for token id `token` >= vocab_size at token `offset` of `path`."""
+  return ValueError(f'{path}: token id {token} at token offset {offset} is >= vocab_size '
+                    f'{vocab_size}; {why}. Check cfg.data.vocab_size, or re-tokenize to uint32 '
+                    'with scripts/prepare_data.py.')
+
+
+# ----------------------------------------------------------------------------
+# Memory maps.
+
+
+class TokenMaps:
+  """Read-only memory maps of token files, the most recently used _MAX_OPEN_MAPS kept open.
+
+  Thread-safe: the loader's prefetch thread reads through them.
+  """
+
+  def __init__(self, files: Sequence[TokenFile]):
+    self.files = files
+    self._maps: collections.OrderedDict[int, tuple[mmap.mmap, np.ndarray]]
+    self._maps = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  def get(self, f: int) -> tuple[mmap.mmap, np.ndarray]:
+    """File f's mmap and its tokens as a uint32 array view (least-recently-used cache)."""
+    with self._lock:
+      if f in self._maps:
+        self._maps.move_to_end(f)
+        return self._maps[f]
+      file = self.files[f]
+      with open(file.path, 'rb') as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+      # Instances are read at random: no fault read-around (which costs ~5 ms per instance on
+      # sparse or cold files here); will_need asks for each instance's bytes instead.
+      mm.madvise(mmap.MADV_RANDOM)
+      self._maps[f] = (mm, np.frombuffer(mm, TOKEN_DTYPE, file.num_tokens, file.header))
+      if len(self._maps) > _MAX_OPEN_MAPS:
+        self._maps.popitem(last=False)  # unmapped once no batch still views it
+      return self._maps[f]
+
+  def tokens(self, f: int) -> np.ndarray:
+    """File f's tokens, uint32 [n], memory mapped."""
+    return self.get(f)[1]
+
+  def will_need(self, f: int, start: int, count: int) -> None:
+    """Queues the read of tokens [start, start + count) of file f (MADV_WILLNEED).
+
+    Called for every piece of a batch before any is copied, so the kernel has
+    all of its reads in flight at once.
+    """
+    mm, _ = self.get(f)
+    header, page = self.files[f].header, mmap.PAGESIZE
+    begin = (header + 4 * start) // page * page
+    mm.madvise(mmap.MADV_WILLNEED, begin, min(len(mm), header + 4 * (start + count)) - begin)
+
+  def check_tokens(self, vocab_size: int, chunk_tokens: int = 1 << 24) -> None:
+    """Scans every token of every file against vocab_size (a full read; use offline)."""
+    for f, file in enumerate(self.files):
+      if file.num_tokens == 0:
+        continue
+      tokens = self.tokens(f)
+      for start in range(0, file.num_tokens, chunk_tokens):
+        chunk = tokens[start:start + chunk_tokens]
+        if chunk.size and chunk.max() >= vocab_size:
+          t = int(np.argmax(chunk >= vocab_size))
+          raise vocab_error(file.path, chunk[t], start + t, vocab_size)
+
+
+# ----------------------------------------------------------------------------
+# The fingerprint.
+
+
+def fingerprint(class_name: str, fields: dict[str, Any], files: Sequence[TokenFile]) -> str:
+  """OLMo-core `NumpyDatasetBase.fingerprint`: sha256 of the class, fields, base names and sizes."""
+  h = hashlib.sha256(f'class={class_name}'.encode())
+  for name, value in fields.items():
+    h.update(f'{name}={value},'.encode())
+  for f in files:
+    h.update(f'path={os.path.basename(f.path)},size={f.size},'.encode())
+  return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------
+# Cache files: written whole or not at all, each verified by an xxh3 sidecar.
+
+
+def write_atomic(path: str, content: bytes | np.ndarray) -> None:
+  """Writes `content` (an array's bytes, uncopied) to a temporary file, then renames it."""
+  tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+  try:
+    with open(tmp, 'wb') as f:
+      f.write(content)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def checksum(array: np.ndarray) -> str:
+  """xxh3-64 hex digest of an array's bytes (~30 GB/s)."""
+  return xxhash.xxh3_64_hexdigest(array)
+
+
+def write_checksummed(path: str, array: np.ndarray) -> None:
+  """Writes `array` to `path` and its checksum to `path` + CHECKSUM_SUFFIX, each atomically."""
+  write_atomic(path, array)  # the array first: a reader never pairs a new sum with an old file
+  write_atomic(path + CHECKSUM_SUFFIX, checksum(array).encode())
+
+
+def checksum_problem(path: str, array: np.ndarray) -> str | None:
+  """Why `array` (read from `path`) fails its sidecar checksum, or None when it verifies."""
+  try:
+    with open(path + CHECKSUM_SUFFIX) as f:
+      expected = f.read().strip()
+  except FileNotFoundError:
+    return f'it has no checksum file {path + CHECKSUM_SUFFIX} to verify it by'
+  if expected != checksum(array):
+    return f'its contents fail the checksum in {path}{CHECKSUM_SUFFIX}'
+  return None
