@@ -120,11 +120,29 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
       ('max_consecutive_skips', t.max_consecutive_skips >= 1, 'an integer >= 1'),
       ('memorization_threshold', t.memorization_threshold > 0, 'a number of nats > 0'),
       ('memorization_evals', t.memorization_evals >= 2, 'an integer >= 2'),
+      ('rollback_attempts', t.rollback_attempts >= 0, 'an integer >= 0 (0: stop at a trip)'),
+      ('rollback_margin', t.rollback_margin >= 0, 'an integer >= 0 (batches after the trip)'),
+      ('rollback_lr_factor', 0 < t.rollback_lr_factor <= 1,
+       'a number in (0, 1] (1: the schedule\'s LR)'),
+      ('rollback_lr_steps', t.rollback_lr_steps >= 0, 'an integer >= 0'),
+      ('skip_batches', all(_skip_window_ok(w) for w in t.skip_batches),
+       'a tuple of (start, stop) or (start, stop, lr_factor, lr_steps) with 0 <= start < stop, '
+       '0 < lr_factor <= 1 and lr_steps >= 0, e.g. ((8, 12),)'),
   )
   for field, holds, rule in rules:
     if not holds:
       raise errors.ConfigError(f'cfg.train.{field}={t[field]!r} must be {rule}; set '
-                       f'--config.train.{field} to such a value.')
+                               f'--config.train.{field} to such a value.')
+
+
+def _skip_window_ok(window: Any) -> bool:
+  """A train.skip_batches entry: (start, stop[, lr_factor, lr_steps]), integers but the factor."""
+  if not isinstance(window, (tuple, list)) or len(window) not in (2, 4):
+    return False
+  start, stop, factor, steps = (*window, 1.0, 0) if len(window) == 2 else window
+  ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop, steps))
+  return (ints and isinstance(factor, (int, float)) and 0 <= start < stop and 0 < factor <= 1
+          and steps >= 0)
 
 
 # --- Resuming: the config must still describe the same run ------------------------------
@@ -186,9 +204,10 @@ def check_same_run(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> None
         'new run, or pass --config.train.allow_config_change=True to resume anyway (to read '
         'the same files from a new place, set --config.data.path_remap instead).')
   if cfg.train.steps < step:
-    raise errors.ConfigError(f'train.steps={cfg.train.steps} is below the checkpoint\'s step {step}: the '
-                   f'run is past it. Set --config.train.steps above {step} to train on, or use '
-                   'another --workdir for a new run.')
+    raise errors.ConfigError(
+        f'train.steps={cfg.train.steps} is below the checkpoint\'s step {step}: the run is '
+        f'past it. Set --config.train.steps above {step} to train on, or use another --workdir '
+        'for a new run.')
 
 
 # --- The command line -------------------------------------------------------------------
@@ -216,7 +235,8 @@ def config_mistakes_in_one_line(argv: list[str], default_config: str | None):
 
 def parse_flags(argv: list[str]) -> list[str]:
   """app.run's flag parser for train.py and plan.py: config mistakes in one line."""
-  default = getattr(flags.FLAGS['config'], 'default_unparsed', None)  # set when argv has no --config
+  # default_unparsed is set when argv has no --config.
+  default = getattr(flags.FLAGS['config'], 'default_unparsed', None)
   with config_mistakes_in_one_line(argv, default):
     rest = app.parse_flags_with_usage(argv)
     flags.FLAGS.config.keys()  # a config file that failed to load raises on this first read

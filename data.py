@@ -21,20 +21,20 @@ best-fit-decreasing into instances of T, padded; the order, batches and ranks
 above apply unchanged to its instance ids.
 
 Reading order (token_files.py holds mixes, file checks and the fingerprint;
-packed.py the packed dataset):
+packed.py the packed dataset; batches.py a batch from instances and the
+data-parallel and host split of the global batch):
 
   dataset_from_config, wants_segments   which dataset cfg.data asks for.
   Loader                                the prefetching iterator train.py runs.
-  make_batch, repetition_rejected,      a batch from instances: labels, the
-  segment_ids, validation_batches       instance mask, documents.
+  held_out_batches, validation_batches  the fixed held-out batches.
   check_same_data, check_position       what a resume refuses.
+  Skips                                 global batches a run skips (rollback.py).
   permutation, global_batch_ids         the global order.
-  batch_positions, local_rows, ...      the data-parallel split, host sharding.
   Dataset                               the FSL dataset (stages 1-2).
 
 Glossary: N instances in the dataset, B global batch (instances), T sequence
 length, n instances read, W data-parallel batch shards (devices that split the
-batch); in the repetition filter L = T - p for period p, R rows left to check.
+batch).
 """
 
 from __future__ import annotations  # the reading order puts users before what they name
@@ -43,14 +43,14 @@ import functools
 import os
 import queue
 import threading
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, Sequence
 
 from absl import logging
 import jax
 import numpy as np
 
+import batches
 from errors import DataError
-import loss
 import packed
 import token_files
 
@@ -94,22 +94,29 @@ class Loader:
   trainer behaviour), unless stop_at_epoch_end, which ends the iteration. A
   start at step = batches_per_epoch (the end of the epoch, as OLMo-core records
   a checkpoint at an epoch's last step) is the next epoch's step 0.
+
+  `skips` (a Skips) names global batches never yielded: the iteration passes
+  over them (a start inside one begins after it). Without skips the order is
+  exactly OLMo-core's.
   """
 
   def __init__(self, ds: Dataset, *, seed: int, global_batch_size: int, epoch: int = 1,
                step: int = 0, cache_dir: str | None = None,
                sharding: jax.sharding.NamedSharding | None = None,
-               repetition_filter: RepetitionFilter | None = None, document_masking: bool = False,
-               prefetch: int = 2, stop_at_epoch_end: bool = False):
+               repetition_filter: batches.RepetitionFilter | None = None,
+               document_masking: bool = False,
+               prefetch: int = 2, stop_at_epoch_end: bool = False, skips: Skips | None = None):
     self.ds, self.seed, self.global_batch_size = ds, seed, global_batch_size
     n = self.batches_per_epoch = batches_per_epoch(ds, global_batch_size)
     if epoch < 1 or not 0 <= step <= n:
       raise DataError(f'start (epoch {epoch}, step {step}) is outside epochs >= 1 and steps '
                       f'[0, {n}] ({n} batches of {global_batch_size} per epoch of this data); '
                       'start inside them, or resume from a state saved with this data.')
-    if step == n:  # epoch done: OLMo-core saves (e, n) at an epoch's last step; e + 1 follows
-      epoch, step = epoch + 1, 0
-    self.epoch, self.step = epoch, step  # the next batch to be yielded
+    self.skips = skips or Skips()
+    # Epoch done: OLMo-core saves (e, n) at an epoch's last step, and e + 1 follows; the
+    # global index (e - 1) * n + n is that position too.
+    epoch, step = divmod(self.skips.advance((epoch - 1) * n + step), n)
+    self.epoch, self.step = epoch + 1, step  # the next batch to be yielded
     self.last_position: tuple[int, int] | None = None  # the last yielded batch's (epoch, step)
     self.cache_dir, self.sharding = cache_dir, sharding
     self.repetition_filter, self.document_masking = repetition_filter, document_masking
@@ -119,8 +126,9 @@ class Loader:
       self.rows = np.arange(B)
       self.positions = self.rows
     else:
-      self.rows = local_rows(sharding, B, T)
-      self.positions = batch_positions(B, num_batch_shards(sharding, B, T))[self.rows]
+      self.rows = batches.local_rows(sharding, B, T)
+      shards = batches.num_batch_shards(sharding, B, T)
+      self.positions = batches.batch_positions(B, shards)[self.rows]
     self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -128,11 +136,12 @@ class Loader:
   @classmethod
   def from_config(cls, cfg_data: Any, ds: Dataset, *, state: dict[str, Any] | None = None,
                   step: int | None = None, cache_dir: str | None = None,
-                  sharding=None) -> 'Loader':
+                  sharding=None, skips: Skips | None = None) -> 'Loader':
     """A loader for cfg.data, resuming from a saved `state` when given.
 
     `step` is the number of optimizer steps the checkpoint holding `state` had
-    done; the state's position must be where that many global batches lead.
+    done; the state's position must be where that many global batches lead,
+    passing over `skips` (the run's skipped global batches).
     """
     start = dict(epoch=1, step=0, seed=cfg_data.seed)
     if state is not None:
@@ -145,11 +154,11 @@ class Loader:
                         f'{cfg_data.global_batch_size}; steps would index different batches. '
                         'Keep the batch size when resuming.')
       if step is not None:
-        check_position(state, ds, step, allow_changed=allow_changed)
+        check_position(state, ds, step, allow_changed=allow_changed, skips=skips)
       start = dict(epoch=state['epoch'], step=state['step'], seed=state['seed'])
     return cls(ds, global_batch_size=cfg_data.global_batch_size, cache_dir=cache_dir,
-               sharding=sharding, document_masking=wants_segments(cfg_data),
-               repetition_filter=RepetitionFilter() if cfg_data.repetition_filter else None,
+               sharding=sharding, document_masking=wants_segments(cfg_data), skips=skips,
+               repetition_filter=batches.RepetitionFilter() if cfg_data.repetition_filter else None,
                prefetch=cfg_data.prefetch, **start)
 
   def state(self) -> dict[str, Any]:
@@ -161,12 +170,20 @@ class Loader:
             'fields': self.ds.fingerprint_fields,
             'files': [[f.path, f.size] for f in self.ds.files],
             **({'stable_packing': self.ds.stable_packing}
-               if isinstance(self.ds, packed.PackedDataset) else {})}
+               if isinstance(self.ds, packed.PackedDataset) else {}),
+            **({'skips': self.skips.windows} if self.skips else {})}
 
   def _next_position(self, epoch: int, step: int) -> tuple[int, int] | None:
-    if step + 1 < self.batches_per_epoch:
-      return epoch, step + 1
-    return None if self.stop_at_epoch_end else (epoch + 1, 0)
+    n = self.batches_per_epoch
+    nxt_epoch, nxt_step = divmod(self.skips.advance((epoch - 1) * n + step + 1), n)
+    if nxt_epoch + 1 == epoch or not self.stop_at_epoch_end:
+      return nxt_epoch + 1, nxt_step
+    return None
+
+  def position(self, steps_done: int) -> tuple[int, int]:
+    """(epoch, step) of the batch that optimizer step `steps_done` + 1 reads."""
+    epoch, step = divmod(self.skips.nth(steps_done), self.batches_per_epoch)
+    return epoch + 1, step
 
   def ids_at(self, epoch: int, step: int) -> np.ndarray:
     """Global instance ids of this process's rows for (epoch, step): what batch_at reads."""
@@ -181,11 +198,11 @@ class Loader:
       padding = dict(real_B=real_B, bos_token_id=self.ds.bos_token_id)
     else:
       tokens_BT, padding = self.ds.read(ids), {}
-    batch = make_batch(tokens_BT, eos_token_id=self.ds.eos_token_id,
+    batch = batches.make_batch(tokens_BT, eos_token_id=self.ds.eos_token_id,
                        repetition_filter=self.repetition_filter,
                        document_masking=self.document_masking, **padding)
     if self.sharding is not None:
-      batch = make_global_batch(batch, self.sharding, self.rows, self.global_batch_size)
+      batch = batches.make_global_batch(batch, self.sharding, self.rows, self.global_batch_size)
     return batch
 
   def _produce(self) -> None:
@@ -234,89 +251,33 @@ class Loader:
 
 
 # ----------------------------------------------------------------------------
-# Batches: labels, repetition filter, document boundaries.
+# Held-out batches (batches.py builds a batch from instances).
 
 
-def make_batch(tokens_BT: np.ndarray, *, eos_token_id: int,
-               repetition_filter: RepetitionFilter | None = None,
-               document_masking: bool = False, real_B: np.ndarray | None = None,
-               bos_token_id: int | None = None) -> dict[str, np.ndarray]:
-  """The batch dict (docs/data.md): tokens, labels, instance_mask[, segment_ids].
+def held_out_batches(cfg_data: Any, divisor: Any) -> list[dict[str, np.ndarray]] | None:
+  """train.py's fixed held-out batches from cfg.data.validation_paths, or None with a warning.
 
-  Labels are the inputs shifted left with the last position ignored (OLMo-core
-  get_labels). A rejected instance keeps its labels; `instance_mask` tells the
-  loss to drop its terms while still counting them in the denominator. For
-  packed instances, `real_B` counts each one's real tokens: labels that would
-  predict padding are ignored (OLMo-core's label_mask).
+  At most cfg.data.global_batch_size instances per batch, cut to a multiple of
+  divisor(batch size) (the devices that split it); a set shorter than one
+  seq_len, or than one such batch, is skipped with a warning, never an error.
   """
-  labels_BT = np.empty_like(tokens_BT)
-  labels_BT[:, :-1] = tokens_BT[:, 1:]
-  labels_BT[:, -1] = loss.IGNORE_INDEX
-  if real_B is not None:
-    labels_BT[np.arange(1, tokens_BT.shape[1] + 1)[None, :] >= np.asarray(real_B)[:, None]] = (
-        loss.IGNORE_INDEX)
-  if repetition_filter is None:
-    mask_B = np.ones(tokens_BT.shape[0], bool)
-  else:
-    mask_B = ~repetition_rejected(tokens_BT, repetition_filter)
-  batch = {'tokens': tokens_BT, 'labels': labels_BT, 'instance_mask': mask_B}
-  if document_masking:
-    batch['segment_ids'] = segment_ids(tokens_BT, eos_token_id, bos_token_id)
-  return batch
-
-
-class RepetitionFilter(NamedTuple):
-  """OLMo-core InstanceFilterConfig defaults (the MaxText reproduction's setting)."""
-  max_period: int = 13
-  min_period: int = 1
-  max_count: int = 32
-
-
-def repetition_rejected(tokens_BT: np.ndarray,
-                        rf: RepetitionFilter = RepetitionFilter()) -> np.ndarray:
-  """bool [B]: True where OLMo-core's repetition filter rejects the instance.
-
-  OLMo-core (`_validate_instance` over `find_periodic_sequences`) rejects when a
-  run it reports for some period p in [min_period, min(max_period, T // 3)]
-  repeats `times` >= max_count; it reports only runs with times > 2, where
-  times = (L + p) // p for a maximal run of L positions t with x[t] == x[t-p].
-  Its row-reshaping scan finds exactly those runs (every run with times > 2
-  spans a whole aligned row; its padding keeps the wrap-around row from ever
-  matching), so an instance is rejected iff for some p the matches x[t] ==
-  x[t-p] hold on (max(max_count, 3) - 1) * p consecutive positions.
-  """
-  if rf.min_period < 1:
-    raise DataError(f'repetition filter min_period must be >= 1, got {rf.min_period}.')
-  B, T = tokens_BT.shape
-  rejected_B = np.zeros(B, bool)
-  threshold = max(rf.max_count, 3)  # reported (times > 2) and times >= max_count
-  for p in range(rf.min_period, min(rf.max_period, T // 3) + 1):
-    need = (threshold - 1) * p  # (L + p) // p >= threshold  <=>  L >= need
-    if need > T - p:
-      continue
-    eq_BL = tokens_BT[:, p:] == tokens_BT[:, :-p]
-    rows = np.flatnonzero(np.count_nonzero(eq_BL, axis=1) >= need)  # cheap pre-check
-    if rows.size:
-      count_RL = np.zeros((rows.size, T - p + 1), np.int32)
-      np.cumsum(eq_BL[rows], axis=1, out=count_RL[:, 1:])
-      rejected_B[rows] |= (count_RL[:, need:] - count_RL[:, :-need] == need).any(axis=1)
-  return rejected_B
-
-
-def segment_ids(tokens_BT: np.ndarray, eos_token_id: int,
-                bos_token_id: int | None = None) -> np.ndarray:
-  """int32 [B, T] document index per token; the token that ends a document belongs to it.
-
-  Matches OLMo-core get_document_lengths: documents end at each EOS, or with a
-  BOS id at each EOS followed by a BOS. Padding after the last end is one more
-  document (or, when PAD is EOS, one per pad token), as OLMo-core counts it.
-  """
-  if bos_token_id is None:
-    end_BT = tokens_BT == eos_token_id
-  else:
-    end_BT = np.zeros(tokens_BT.shape, bool)
-    end_BT[:, :-1] = (tokens_BT[:, :-1] == eos_token_id) & (tokens_BT[:, 1:] == bos_token_id)
-  return (np.cumsum(end_BT, axis=1, dtype=np.int32) - end_BT).astype(np.int32)
+  paths = list(cfg_data.validation_paths)
+  longest = max([token_files.inspect_file(p).num_tokens for p in paths], default=0)
+  if longest < cfg_data.seq_len:
+    logging.warning('No held-out set of seq_len=%d tokens (%s): validation loss is not '
+                    'measured. Set --config.data.validation_paths, or prepare the data with '
+                    'scripts/prepare_data.py, whose mix holds documents out.',
+                    cfg_data.seq_len, paths or 'data.validation_paths is empty')
+    return None
+  ds = Dataset.from_config(cfg_data, paths=paths)
+  size = min(cfg_data.global_batch_size, ds.num_instances)
+  size -= size % divisor(size) if size else 0
+  if size < 1:
+    logging.warning('The held-out set %s holds %d instances, too few for one batch on this '
+                    'mesh: validation loss is not measured.', paths, ds.num_instances)
+    return None
+  return validation_batches(ds, size, cfg_data.validation_batches,
+                            document_masking=wants_segments(cfg_data))
 
 
 def validation_batches(ds: Dataset, batch_size: int, num_batches: int, *,
@@ -326,7 +287,7 @@ def validation_batches(ds: Dataset, batch_size: int, num_batches: int, *,
   if n == 0:
     raise DataError(f'the validation set has {ds.num_instances} instances of length {ds.seq_len}, '
                     f'fewer than one batch of {batch_size}.')
-  return [make_batch(ds.read(np.arange(b * batch_size, (b + 1) * batch_size)),
+  return [batches.make_batch(ds.read(np.arange(b * batch_size, (b + 1) * batch_size)),
                      eos_token_id=ds.eos_token_id, document_masking=document_masking)
           for b in range(n)]
 
@@ -388,27 +349,85 @@ def check_state_fields(state: Any) -> None:
 
 
 def check_position(state: dict[str, Any], ds: Dataset, steps_done: int, *,
-                   allow_changed: bool = False) -> None:
+                   allow_changed: bool = False, skips: Skips | None = None) -> None:
   """Refuses a loader state that is not where `steps_done` optimizer steps lead.
 
   Each step takes one global batch and epochs have batches_per_epoch batches,
   so after k steps the loader is at epoch 1 + k // n, step k % n, whatever the
   device count (or, where k ends an epoch, at epoch k // n, step n: OLMo-core's
-  record of it, which the Loader starts as the next epoch). With allow_changed
-  the data, and so n, may have changed at an earlier resume; past epoch 1 only
+  record of it, which the Loader starts as the next epoch). With `skips` (the
+  run's skipped global batches) the k steps read the first k batches outside
+  them, and the state's position, passing over skips, must be the next one
+  outside: a checkpoint saved just before a window was added (the one a
+  rollback restores) is at the window's start. With allow_changed the data,
+  and so n, may have changed at an earlier resume; past epoch 1 only
   `step < steps_done` is then certain.
   """
+  skips = skips or Skips()
   n = batches_per_epoch(ds, state['global_batch_size'])
   epoch, step = state['epoch'], state['step']
   batches = (epoch - 1) * n + step
-  if batches == steps_done or (allow_changed and epoch > 1 and step < steps_done):
+  if skips.advance(batches) == skips.nth(steps_done) or (
+      allow_changed and epoch > 1 and step < steps_done):
     return
+  skipped = (f' and the run skips global batches {skips}, so {steps_done} steps lead to global '
+             f'batch {skips.nth(steps_done)}' if skips else '')
   raise DataError(f"the checkpoint's data state is at epoch {epoch}, step {step} ({batches} "
                   f'global batches of {state["global_batch_size"]} at {n} per epoch), but the '
-                  f'checkpoint records {steps_done} optimizer steps, one batch each; its '
-                  'metadata was altered or its data state belongs to another run. Restore the '
-                  'original metadata.json, or move that step_N directory aside to resume from '
+                  f'checkpoint records {steps_done} optimizer steps, one batch each{skipped}; '
+                  'its metadata was altered, its data state belongs to another run, or a skip '
+                  'window was added behind it. Restore the original metadata.json (or '
+                  'train.skip_batches), or move that step_N directory aside to resume from '
                   'an earlier checkpoint.')
+
+
+class Skips:
+  """A set of skipped global batches: the union of [start, stop) windows.
+
+  A global batch index counts batches across epochs: (epoch - 1) * n + step
+  for n batches per epoch. Optimizer step k + 1 reads the k-th (0-based)
+  index outside the windows, `nth(k)`; without windows, k itself.
+  """
+
+  def __init__(self, windows: Sequence[Sequence[int]] = ()):
+    merged: list[list[int]] = []
+    for start, stop in sorted((int(a), int(b)) for a, b, *_ in windows):
+      if not 0 <= start < stop:
+        raise DataError(f'skip window [{start}, {stop}) must have 0 <= start < stop.')
+      if merged and start <= merged[-1][1]:  # overlapping or adjacent: one window
+        merged[-1][1] = max(merged[-1][1], stop)
+      else:
+        merged.append([start, stop])
+    self.windows = merged
+
+  def __bool__(self) -> bool:
+    return bool(self.windows)
+
+  def __str__(self) -> str:
+    return ', '.join(f'[{a}, {b})' for a, b in self.windows) or 'none'
+
+  def advance(self, index: int) -> int:
+    """The first global batch >= `index` outside every window."""
+    for start, stop in self.windows:
+      if start <= index < stop:
+        return stop
+    return index
+
+  def nth(self, k: int) -> int:
+    """The global batch optimizer step k + 1 reads: the k-th (0-based) one outside the windows."""
+    for start, stop in self.windows:
+      if k < start:
+        break
+      k += stop - start  # every window that starts at or before it pushes it on
+    return k
+
+  def skipped_before(self, index: int) -> int:
+    """How many skipped global batches lie below `index`."""
+    return sum(max(0, min(stop, index) - start) for start, stop in self.windows)
+
+  def count_before(self, index: int) -> int:
+    """Optimizer steps done when the run reaches global batch `index`: those read below it."""
+    return index - self.skipped_before(index)
 
 
 # ----------------------------------------------------------------------------
@@ -490,82 +509,6 @@ def global_batch_ids(ds: Dataset, seed: int, epoch: int, step: int, global_batch
   order = permutation(ds.num_instances, seed, epoch, cache_dir)
   return np.array(order[step * global_batch_size:(step + 1) * global_batch_size])
 
-
-
-# ----------------------------------------------------------------------------
-# Data-parallel split and host sharding.
-
-
-def batch_positions(global_batch_size: int, num_shards: int) -> np.ndarray:
-  """Global-batch position held by each row of the batch array, for W batch shards.
-
-  Contiguous row block s of the array (what JAX puts on batch shard s) holds
-  positions s, s+W, s+2W, ...: exactly OLMo-core data-parallel rank s's
-  instances, in its order (NumpyFSLDataLoader._get_local_instance_indices). The
-  set of instances in a step never depends on W; only which device gets which.
-  """
-  if global_batch_size % num_shards:
-    raise DataError(f'global_batch_size {global_batch_size} is not divisible by the {num_shards} '
-                    'devices that split the batch; use a multiple of the data-parallel size.')
-  return np.arange(global_batch_size).reshape(-1, num_shards).T.reshape(-1)
-
-
-def _row_slices(index_map: dict, global_batch_size: int) -> set[tuple[int, int]]:
-  return {(s[0].start or 0, global_batch_size if s[0].stop is None else s[0].stop)
-          for s in index_map.values()}
-
-
-def num_batch_shards(sharding: jax.sharding.Sharding, global_batch_size: int,
-                     seq_len: int = 1) -> int:
-  """How many distinct row blocks the sharding splits a [B, T] batch into (W)."""
-  return len(_row_slices(sharding.devices_indices_map((global_batch_size, seq_len)),
-                         global_batch_size))
-
-
-def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
-               seq_len: int = 1) -> np.ndarray:
-  """Sorted rows of the [B, T] batch array that this process's devices hold."""
-  blocks = _row_slices(sharding.addressable_devices_indices_map((global_batch_size, seq_len)),
-                       global_batch_size)
-  return np.unique(np.concatenate([np.arange(a, b) for a, b in blocks]))
-
-
-def grad_accum_steps(global_batch_size: int, num_shards: int, micro_batch_size: int) -> int:
-  """Micro-batches per step: B / W / micro_batch_size, with an error if it does not divide."""
-  per_shard = global_batch_size // num_shards
-  batch_positions(global_batch_size, num_shards)  # raises if W does not divide B
-  if micro_batch_size <= 0 or per_shard % micro_batch_size:
-    raise DataError(f'{per_shard} instances per device (global batch {global_batch_size} / '
-                    f'{num_shards} devices) is not a multiple of micro_batch_size '
-                    f'{micro_batch_size}; pick cfg.train.micro_batch_size dividing it.')
-  return per_shard // micro_batch_size
-
-
-def make_global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding,
-                      rows: np.ndarray, global_batch_size: int) -> dict[str, jax.Array]:
-  """Global jax.Arrays from only this process's rows (`rows` = local_rows(...), in order).
-
-  `sharding` is the [B, T] batch sharding; [B] arrays use its first axis.
-  """
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    raise DataError(f'make_global_batch needs a NamedSharding, got {type(sharding).__name__}.')
-  rows = np.asarray(rows)
-  out = {}
-  for key, local in local_batch.items():
-    shape = (global_batch_size,) + local.shape[1:]
-    spec = (tuple(sharding.spec) + (None,) * len(shape))[:len(shape)]
-    arr_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
-
-    def callback(index, local=local, key=key):
-      want = np.arange(global_batch_size)[index[0]]
-      pos = np.searchsorted(rows, want)
-      if pos.size and (pos.max() >= rows.size or not np.array_equal(rows[pos], want)):
-        raise DataError(f'batch[{key!r}]: a local device needs rows this process did not load; '
-                        'build `rows` with local_rows() from the same sharding.')
-      return local[(pos,) + tuple(index[1:])]
-
-    out[key] = jax.make_array_from_callback(shape, arr_sharding, callback)
-  return out
 
 
 # ----------------------------------------------------------------------------

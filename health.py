@@ -2,7 +2,9 @@
 
 - The divergence guard judges each step (loss bound, skipped steps in a row)
   and whether the state is healthy enough for retention to protect;
-  `stop_diverged` saves the state as unhealthy and exits EXIT_DIVERGED.
+  rollback.py restores the last healthy state and skips the spike's data
+  while train.rollback_attempts allows; else `stop_diverged` saves the
+  state as unhealthy and exits EXIT_DIVERGED.
 - The data: instance ids seen twice in an epoch (a bitmap of N bits), and
   training CE falling away from held-out CE (memorization).
 - Preemption: SIGTERM/SIGINT stop the loop after the current step, with a
@@ -74,8 +76,11 @@ class DivergenceGuard:
 
 def stop_diverged(reason: str, step: int, cfg: ml_collections.ConfigDict,
                   ckpt: checkpoint.Checkpointer, state: Any, meta: dict[str, Any],
-                  writer: metrics.MetricWriter) -> NoReturn:
-  """Records why, saves the state as unhealthy, says what to do, exits EXIT_DIVERGED."""
+                  writer: metrics.MetricWriter, note: str = '') -> NoReturn:
+  """Records why, saves the state as unhealthy, says what to do, exits EXIT_DIVERGED.
+
+  `note` (rollback.py: why it did not roll back, the windows it skipped) ends the message.
+  """
   writer.write(step, {'guard/diverged': 1.0, 'guard/reason': reason})
   ckpt.save(step, state, {**meta, 'diverged': reason}, healthy=False)
   ckpt.wait()
@@ -87,7 +92,7 @@ def stop_diverged(reason: str, step: int, cfg: ml_collections.ConfigDict,
   print(f'DIVERGED: {reason}. Stopped at step {step}; its state is saved for inspection as '
         f'checkpoint step {step}, marked unhealthy. {back} (e.g. a lower --config.opt.lr, now '
         f'{cfg.opt.lr:g}), or, if the run was in fact healthy, raise --config.train.max_loss '
-        f'or --config.train.max_consecutive_skips.', file=sys.stderr, flush=True)
+        f'or --config.train.max_consecutive_skips.{note}', file=sys.stderr, flush=True)
   raise SystemExit(errors.EXIT_DIVERGED)
 
 
@@ -180,8 +185,9 @@ class RepeatTracker:
     """for_dataset, with a resumed epoch's earlier batches (data.Loader `loader`) marked seen."""
     tracker = cls.for_dataset(ds)
     if loader.step:
-      tracker.replay(loader.epoch,
-                     (loader.ids_at(loader.epoch, s) for s in range(loader.step)))
+      base = (loader.epoch - 1) * loader.batches_per_epoch  # skipped batches were never read
+      tracker.replay(loader.epoch, (loader.ids_at(loader.epoch, s) for s in range(loader.step)
+                                    if loader.skips.advance(base + s) == base + s))
     return tracker
 
   def observe(self, epoch: int, ids: np.ndarray) -> int:
@@ -229,15 +235,17 @@ class MemorizationWatch:
   memorization), or when the mean gap of the last `evals` evaluations is more
   than `threshold` above the mean of the first `evals` (a slow drift). Either
   widening must also exceed 4 standard errors of the train-CE estimates (from
-  the line fits' residuals), so a small batch's jitter does not fire it. In a healthy first epoch the gap
+  the line fits' residuals), so a small batch's jitter does not fire it. In a healthy first
+  epoch the gap
   stays near constant: each train CE is measured before the update, on data
   the model has not seen, just as held-out CE is.
   """
 
   def __init__(self, threshold: float, evals: int):
     if not threshold > 0 or evals < 2:  # one line from train.py, EXIT_USAGE
-      raise errors.ConfigError(f'train.memorization_threshold must be > 0 and train.memorization_evals '
-                     f'>= 2; got {threshold} and {evals}. Set --config.train.memorization_*.')
+      raise errors.ConfigError(
+          'train.memorization_threshold must be > 0 and train.memorization_evals >= 2; got '
+          f'{threshold} and {evals}. Set --config.train.memorization_*.')
     self.threshold, self.evals = threshold, evals
     self.train: list[tuple[int, float]] = []  # (step, train CE) logged since the last eval
     self.gaps: list[tuple[int, float, float, float]] = []  # (step, train, held-out, gap)
@@ -300,7 +308,11 @@ class MemorizationWatch:
 class Preemption:
   """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits.
 
-  close() puts the previous handlers back (train() may run inside a larger program).
+  The step in flight cannot be cut short (a signal reaches Python only
+  between XLA calls, and the first step includes its compile), so a second
+  Ctrl-C stops the process at once, without a checkpoint: the first one puts
+  SIGINT's default action back. close() puts the previous handlers back
+  (train() may run inside a larger program).
   """
 
   def __init__(self):
@@ -310,7 +322,12 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del frame
-    logging.warning('Signal %d: will checkpoint after this step and exit.', signum)
+    again = ' (Ctrl-C again stops at once, without one)' if signum == signal.SIGINT else ''
+    message = (f'Signal {signum}: stopping after the current step with a checkpoint{again}.')
+    logging.warning(message)
+    print(message, file=sys.stderr, flush=True)
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
     self.requested = True
 
   def agreed(self) -> bool:

@@ -28,14 +28,13 @@ olmo_core_config.py; the data position by `loader_state`, `past_epoch_end` and
 Both directions stream one layer of one tensor at a time (checkpoint.save_streamed,
 checkpoint.read_array), and the vocabulary-sized arrays in row blocks, so host memory
 stays near the largest single tensor (bench/bench_convert_memory.py measures it).
-Reading needs torch (the blobs are torch.save archives) but not olmo_core: the
-storage-info record OLMo-core pickles into `.metadata` is read as a plain record.
-torch comes with the optional extra: pip install '.[olmo-core]'.
+olmo_core_reader.py reads the torch distributed checkpoint: it needs torch (the
+blobs are torch.save archives; the optional extra, pip install '.[olmo-core]')
+but not olmo_core.
 
 Shapes: L layers, D d_model, F MLP hidden, V vocab.
 """
 
-import io
 import json
 import logging
 import math
@@ -55,11 +54,11 @@ import ckpt_files
 import data
 import model
 import olmo_core_config
+import olmo_core_reader
 from olmo_core_config import OlmoCoreCheckpointError
 import token_files
 
 OLMO_CORE_VERSION = '3.0.0'  # the version whose format this module reads and writes
-EXTRA = "pip install '.[olmo-core]'"
 
 # OLMo-core name in block i -> (our module, our name); torch Linear weights are [out, in],
 # ours [in, out] (transposed both ways); norms are vectors on both sides.
@@ -79,16 +78,6 @@ GLOBAL = {'embeddings.weight': ('embed', 'embedding'),  # [V, D] on both sides
 GROUP_FIELDS = ('lr', 'betas', 'eps', 'weight_decay', 'initial_lr')  # OLMo-core 3.0.0's groups
 
 
-def _torch():
-  """torch, imported only on this path (the optional extra provides it)."""
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ImportError('Reading or writing OLMo-core checkpoints needs torch (CPU is enough): '
-                      f'{EXTRA}') from e
-  return torch
-
-
 def tensor_names(num_layers: int) -> Iterator[tuple[str, tuple[str, str], int | None]]:
   """(OLMo-core parameter fqn, our (module, name), layer or None), in our array order."""
   for fqn, key in GLOBAL.items():
@@ -100,162 +89,6 @@ def tensor_names(num_layers: int) -> Iterator[tuple[str, tuple[str, str], int | 
 
 def _to_ours(fqn: str, value: np.ndarray) -> np.ndarray:
   return value.T if value.ndim == 2 and fqn != 'embeddings.weight' else value
-
-
-# --- Reading a step directory --------------------------------------------------------------
-
-
-class _StorageInfo:
-  """Stand-in for the per-chunk record OLMo-core (or torch) pickles: file, offset, length."""
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-
-
-class _Unpickler(pickle.Unpickler):
-  def find_class(self, module, name):
-    if name == '_StorageInfo':  # olmo_core's or torch's: same fields, no import of olmo_core
-      return _StorageInfo
-    return super().find_class(module, name)
-
-
-class _Window(io.RawIOBase):
-  """Bytes [offset, offset + length) of an open file, as a seekable file of their own."""
-
-  def __init__(self, f, offset: int, length: int):
-    super().__init__()
-    self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-  def readable(self) -> bool:
-    return True
-
-  def seekable(self) -> bool:
-    return True
-
-  def tell(self) -> int:
-    return self.pos
-
-  def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-    self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
-    return self.pos
-
-  def readinto(self, buffer) -> int:
-    n = max(0, min(len(buffer), self.length - self.pos))
-    self.f.seek(self.offset + self.pos)
-    got = self.f.readinto(memoryview(buffer)[:n])
-    self.pos += got
-    return got
-
-
-class Reader:
-  """The tensors and pickled values of a `model_and_optim/` distributed checkpoint."""
-
-  def __init__(self, directory: str):
-    _torch()  # the metadata pickle names torch classes
-    self.directory = directory
-    path = os.path.join(directory, '.metadata')
-    try:
-      with open(path, 'rb') as f:
-        meta = _Unpickler(f).load()
-    except FileNotFoundError as e:
-      raise OlmoCoreCheckpointError(f'{path} is missing: {directory} is not an OLMo-core '
-                                    'model_and_optim/ directory (is the step directory '
-                                    'complete?).') from e
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-      raise OlmoCoreCheckpointError(f'{path} is unreadable ({e}); download it again.') from e
-    self.entries = meta.state_dict_metadata
-    self.chunks: dict[str, list] = {}
-    for index, info in meta.storage_data.items():
-      self.chunks.setdefault(index.fqn, []).append((index, info))
-
-  def files(self) -> list[str]:
-    """The .distcp files the metadata names (some writer threads leave none)."""
-    return sorted({info.relative_path for chunks in self.chunks.values() for _, info in chunks})
-
-  def __contains__(self, fqn: str) -> bool:
-    return fqn in self.entries
-
-  def _check_extent(self, fqn: str, info) -> None:
-    path = os.path.join(self.directory, info.relative_path)
-    if not os.path.exists(path):
-      raise OlmoCoreCheckpointError(f'{path} is missing (it holds {fqn}); download the step '
-                                    'directory again.')
-    if os.path.getsize(path) < info.offset + info.length:
-      raise OlmoCoreCheckpointError(f'{path} is truncated: {fqn} needs bytes {info.offset}..'
-                                    f'{info.offset + info.length}, the file has fewer. '
-                                    'Download it again.')
-
-  def _blob(self, fqn: str, info) -> bytes:
-    path = os.path.join(self.directory, info.relative_path)
-    try:
-      with open(path, 'rb') as f:
-        f.seek(info.offset)
-        blob = f.read(info.length)
-    except FileNotFoundError as e:
-      raise OlmoCoreCheckpointError(f'{path} is missing (it holds {fqn}); download the step '
-                                    'directory again.') from e
-    if len(blob) != info.length:
-      raise OlmoCoreCheckpointError(f'{path} is truncated: {fqn} needs bytes {info.offset}..'
-                                    f'{info.offset + info.length}, the file has fewer. '
-                                    'Download it again.')
-    return blob
-
-  def _load(self, fqn: str, info) -> Any:
-    self._check_extent(fqn, info)
-    try:  # torch reads the blob straight from the file: no bytes copy beside the tensor
-      with open(os.path.join(self.directory, info.relative_path), 'rb') as f:
-        return _torch().load(_Window(f, info.offset, info.length), map_location='cpu',
-                             weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-      raise OlmoCoreCheckpointError(f'{self.directory}/{info.relative_path}: {fqn} is '
-                                    f'damaged ({e}); download the file again.') from e
-
-  def tensor(self, fqn: str) -> np.ndarray:
-    """The whole tensor `fqn`, reassembled from its chunks, as float32/int numpy."""
-    if fqn not in self.entries or not hasattr(self.entries[fqn], 'chunks'):
-      raise OlmoCoreCheckpointError(f'{self.directory} has no tensor {fqn}.')
-    meta = self.entries[fqn]
-    shape = tuple(meta.size)
-    chunks = self.chunks.get(fqn, [])
-    if len(chunks) == 1 and tuple(chunks[0][0].offset or ()) == (0,) * len(shape):
-      value = self._load(fqn, chunks[0][1])
-      if tuple(value.shape) == shape:  # unsharded: no copy
-        return value.numpy()
-    out, covered = None, 0
-    for index, info in chunks:
-      value = self._load(fqn, info).numpy()
-      if out is None:
-        out = np.empty(shape, value.dtype)
-      at = tuple(slice(o, o + n) for o, n in zip(index.offset, value.shape))
-      out[at] = value
-      covered += value.size
-    if out is None or covered != math.prod(shape):
-      raise OlmoCoreCheckpointError(f'{self.directory}: the chunks of {fqn} cover {covered} of '
-                                    f'{math.prod(shape)} elements; the metadata is damaged.')
-    return out
-
-  def value(self, fqn: str) -> Any:
-    """A pickled (bytes) entry, e.g. a param group's weight_decay."""
-    if fqn not in self.chunks:
-      raise OlmoCoreCheckpointError(f'{self.directory} has no entry {fqn}.')
-    blob = self._blob(fqn, self.chunks[fqn][0][1])
-    return _torch().load(io.BytesIO(blob), weights_only=False)
-
-
-def _read_json(path: str) -> dict:
-  return ckpt_files.read_json(path, OlmoCoreCheckpointError, 'download it again')
-
-
-def read_trainer_state(step_dir: str) -> dict | None:
-  """train/rank0.pt as a dict, or None for a weights-only directory."""
-  path = os.path.join(step_dir, 'train', 'rank0.pt')
-  if not os.path.exists(path):
-    return None
-  try:
-    return _torch().load(path, map_location='cpu', weights_only=False)
-  except Exception as e:  # pylint: disable=broad-except  # torch raises many kinds here
-    raise OlmoCoreCheckpointError(f'{path} is unreadable ({type(e).__name__}: {e}); download '
-                                  'it again.') from e
 
 
 # --- The data position ----------------------------------------------------------------------
@@ -334,7 +167,7 @@ def olmo_core_position(loader: dict[str, Any]) -> tuple[int, int]:
 # --- OLMo-core -> ours ------------------------------------------------------------------------
 
 
-def _decay_settings(reader: Reader, cfg: ml_collections.ConfigDict,
+def _decay_settings(reader: olmo_core_reader.Reader, cfg: ml_collections.ConfigDict,
                     sources: dict[str, str]) -> None:
   """cfg.opt.no_decay and weight_decay from the param groups (the only group marker)."""
   decays: dict[str, set] = {}
@@ -355,7 +188,7 @@ def _decay_settings(reader: Reader, cfg: ml_collections.ConfigDict,
     sources[field] = 'model_and_optim/: optim.param_groups.*.weight_decay'
 
 
-def adam_count(reader: Reader, num_layers: int) -> int | None:
+def adam_count(reader: olmo_core_reader.Reader, num_layers: int) -> int | None:
   """OLMo-core's Adam step (bias-correction count), the same for every parameter; None if absent."""
   counts = {}
   for fqn, _, _ in tensor_names(num_layers):
@@ -384,7 +217,7 @@ def _block_rows(rows: int, row_bytes: int) -> int:
                        if rows % d == 0 and rows // d * row_bytes <= BLOCK_BYTES), rows)
 
 
-def _stacked(reader: Reader, num_layers: int, source: str | None, key: tuple[str, str],
+def _stacked(reader: olmo_core_reader.Reader, num_layers: int, source: str | None, key: tuple[str, str],
              shape: tuple[int, ...]) -> tuple[tuple[int, ...], Callable[[], Iterator]]:
   """(piece shape, pieces()) for save_streamed: our array `key` from OLMo-core's tensors.
 
@@ -430,10 +263,10 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
     raise OlmoCoreCheckpointError(f'{config_path} is missing: the model shape is read from it.')
   paths_file = os.path.join(step_dir, 'data_paths.txt')
   data_paths = (open(paths_file).read().split() if os.path.exists(paths_file) else [])
-  translated, sources = olmo_core_config.translate(_read_json(config_path), data_paths)
+  translated, sources = olmo_core_config.translate(olmo_core_reader.read_json(config_path), data_paths)
   inner = os.path.join(step_dir, 'model_and_optim')
-  reader = Reader(inner if os.path.isdir(inner) else step_dir)  # weights-only: top level
-  trainer = read_trainer_state(step_dir)
+  reader = olmo_core_reader.Reader(inner if os.path.isdir(inner) else step_dir)  # weights-only: top level
+  trainer = olmo_core_reader.read_trainer_state(step_dir)
   m = translated.model
   missing = [f'model.{f}' for f, _, _ in tensor_names(m.num_layers) if f'model.{f}' not in reader]
   if missing:
@@ -450,7 +283,7 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
                '(OLMo-core does not save it either).', step, count)
   meta = {'config': cfg.to_dict(), 'olmo_core_source': {
       'path': os.path.abspath(step_dir), 'global_step': step, 'adam_count': count,
-      'config': _read_json(config_path)}}
+      'config': olmo_core_reader.read_json(config_path)}}
   if trainer:
     meta['data'] = past_epoch_end(loader_state(trainer, cfg), cfg)
     meta['data']['global_train_tokens_seen'] = int(trainer.get('global_train_tokens_seen', 0))
@@ -458,7 +291,7 @@ def import_step(step_dir: str, out_dir: str, *, base: ml_collections.ConfigDict 
   return {'step': step, 'adam_count': count, 'config': cfg, 'moments': count is not None}
 
 
-def _write(reader: Reader, cfg, out_dir: str, step: int, count: int | None, meta: dict,
+def _write(reader: olmo_core_reader.Reader, cfg, out_dir: str, step: int, count: int | None, meta: dict,
            overwrite: bool) -> None:
   m = cfg.model
   shapes = {(module, name): shape for module, names in model.param_shapes(m).items()
@@ -520,8 +353,8 @@ def fetch(url: str, cache_dir: str | None = None, *,
       logging.warning('%s/%s is not there (404); continuing without it.', root, optional)
   if base is not None:
     olmo_core_config.checked_base(
-        base, *olmo_core_config.translate(_read_json(os.path.join(local, 'config.json')), []))
-  files = Reader(os.path.join(local, 'model_and_optim')).files()
+        base, *olmo_core_config.translate(olmo_core_reader.read_json(os.path.join(local, 'config.json')), []))
+  files = olmo_core_reader.Reader(os.path.join(local, 'model_and_optim')).files()
   download.fetch([item(f'model_and_optim/{f}') for f in files], **kwargs)
   return local
 
@@ -534,7 +367,7 @@ def export_step(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> int:
 
   Returns the step written. Built beside `out_dir` and renamed into place.
   """
-  torch = _torch()
+  torch = olmo_core_reader.torch_module()
   from torch.distributed.checkpoint import metadata as dcp  # pylint: disable=import-outside-toplevel
   # The per-chunk record torch's FileSystemReader (and so OLMo-core's) unpickles: torch
   # exports no public name for it, and a class of ours would not unpickle there.

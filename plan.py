@@ -45,7 +45,8 @@ from ml_collections import config_flags
 import numpy as np
 
 import config_checks
-import data
+import batches
+import errors
 import kernels
 import model
 import optim
@@ -136,7 +137,7 @@ def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
   state = train.abstract_state(cfg, tx, mesh)
   batch = abstract_batch(cfg, mesh)
   shards = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
-  accum = data.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
+  accum = batches.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   step = jax.jit(train.make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
                  out_shardings=(shardings, None))
@@ -188,7 +189,7 @@ def extrapolate_temp(a: Compiled, b: Compiled, fsdp: int) -> int:
 def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
               platform: str = 'tpu', chip: str = 'v5p', devices: list[Any] | None = None) -> Plan:
   """Compiles on the simulated CPU `devices` (twice when extrapolating) and returns the Plan."""
-  config_checks.validate(cfg)
+  config_checks.validate(config_checks.complete(cfg))
   devices = devices or jax.devices()
   if devices[0].platform != 'cpu':
     raise ValueError(f'the planner compiles on simulated CPU devices, got {devices[0].platform}; '
@@ -291,17 +292,19 @@ def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value.',
+                  errors.EXIT_USAGE)
   if FLAGS.devices < 1 or FLAGS.target_devices < 0:
-    raise app.UsageError('--devices must be >= 1 and --target_devices >= 0.')
+    errors.report('--devices must be >= 1 and --target_devices >= 0.', errors.EXIT_USAGE)
   # Simulated CPU devices; set before anything touches a backend.
   kernels.xla.set_cpu_flags()
   jax.config.update('jax_platforms', 'cpu')
   # Twice --devices exist so that a mesh whose fixed axes fill --devices (context
   # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
   jax.config.update('jax_num_cpu_devices', 2 * FLAGS.devices)
-  report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip,
-         devices=jax.devices()[:FLAGS.devices])
+  with errors.one_line(also=(ValueError,)):  # the config and mesh checks: one line, exit 2
+    report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip,
+           devices=jax.devices()[:FLAGS.devices])
 
 
 if __name__ == '__main__':

@@ -12,11 +12,13 @@ import os
 import re
 import secrets
 import shutil
+import sys
 from typing import Any
 
 from absl import logging
 
 import chunk_store
+import errors
 from chunk_store import CorruptCheckpointError
 COMMIT = 'COMMIT'
 STEP_RE = re.compile(r'^step_(\d+)$')
@@ -150,3 +152,23 @@ def committed_dir(directory: str, step: int | None) -> str:
 def read_metadata(directory: str, step: int | None = None) -> dict[str, Any]:
   """The caller's metadata of a committed checkpoint (default: the latest)."""
   return chunk_store.read_info(committed_dir(directory, step))['metadata']
+
+
+def check_fresh_start(directory: str, workdir: str) -> None:
+  """Before a run in `workdir` starts from step 0 because `directory` has no committed step.
+
+  Refuses a directory holding only corrupt checkpoints (restore_latest_good set
+  them aside; starting over would silently replace the run), and warns about
+  committed steps in `workdir` itself, one level above where train.py reads
+  them (a checkpoint converted or copied to the wrong place).
+  """
+  if any(n.startswith('corrupt.step_') for n in os.listdir(directory)):
+    raise errors.ConfigError(f'{directory} holds only corrupt checkpoints (corrupt.step_*); '
+                             'restore a good copy there, or remove them to start afresh.')
+  misplaced = committed_steps(workdir)
+  if misplaced:
+    message = (f'{workdir} holds checkpoint steps {misplaced} directly, but train.py reads '
+               f'{directory}; this run starts from step 0. To continue from them, move the '
+               f'step_* directories into {directory} (convert.py --to=WORKDIR writes there).')
+    logging.warning(message)
+    print(f'WARNING: {message}', file=sys.stderr, flush=True)

@@ -6,19 +6,17 @@ settings and that params + Adam moments fit the devices; `python plan.py`
 answers the fuller question (temporaries, FLOPs, other meshes) ahead of time.
 One run at a time may use a workdir (workdir_lock.py).
 
-Exit codes (errors.py; scripts/launch.py restarts only 1 and 3): 0 done
-(cfg.train.steps reached, now or earlier); 1 a crash (a traceback); 2 a usage
-or config mistake (a flag, field, path, the workdir, memory, the mesh, a resume
-that would not continue the run: one line names the fix, the stack goes to
-<workdir>/error.log); 3 preempted, a checkpoint written; 4 diverged (the
-divergence guard saved the state as unhealthy; retention keeps the last
-healthy checkpoint); 5 a data mistake (missing or mismatched token files).
-Earlier checkpoints stay intact in every case.
+Exit codes (errors.py): 0 done; 1 a crash; 2 a usage or config mistake and 5
+a data mistake (one line names the fix; the stack goes to <workdir>/error.log);
+3 preempted (a checkpoint written); 4 diverged, after rollback.py's attempts
+to restore the last healthy checkpoint and skip the spike's data. Earlier
+checkpoints stay intact in every case.
 
 Reading order: the train state, the step (one loss for training and
 held-out evaluation), the loop, the command line. Around it: sharding.py
 (mesh, shardings, memory, hosts), loss.py, optim.py, data.py, checkpoint.py,
-metrics.py (what a run reports), health.py (what stops it).
+metrics.py (what a run reports), health.py (what stops it), rollback.py (what
+restarts it from a healthy state instead).
 Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
@@ -38,6 +36,7 @@ import numpy as np
 
 import checkpoint
 import config_checks
+import batches
 import data
 import errors
 import health
@@ -47,9 +46,10 @@ import loss
 import metrics
 import model
 import optim
+import rollback
 import sample
 import sharding
-import token_files
+import step_dirs
 import workdir_lock
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
@@ -164,7 +164,9 @@ def make_train_step(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, accum: 
   batch (loss.denominator), so the accumulated gradient equals one big
   batch's whatever `accum` and the device count are.
   """
-  def step(state: TrainState, batch: dict[str, jax.Array]):
+  def step(state: TrainState, batch: dict[str, jax.Array], lr_factor=1.0):
+    # lr_factor (a traced scalar: a new value does not recompile) scales the update: for
+    # AdamW with decoupled decay multiplied by the LR, exactly scaling the LR (rollback.py).
     denominator = loss.denominator(batch['labels'], batch['instance_mask'])
     denominator = jnp.maximum(denominator, 1).astype(jnp.float32)
 
@@ -192,9 +194,11 @@ def make_train_step(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, accum: 
 
     ce_loss = ce_sum / denominator
     updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=ce_loss)
+    updates = jax.tree.map(lambda u: u * lr_factor, updates)  # x * 1.0 == x: bit-exact when off
     params = optim.apply_updates(state.params, updates, opt_state)  # exact no-op on a skip
     step_metrics = {'train/CE loss': ce_loss, 'train/Z loss': z_sum / denominator,
-                    **optim.opt_metrics(opt_state)}
+                    **optim.opt_metrics(opt_state), 'optim/LR factor': lr_factor}
+    step_metrics['optim/LR'] = step_metrics['optim/LR'] * lr_factor  # the effective LR
     return TrainState(params, opt_state), step_metrics
   return step
 
@@ -209,35 +213,16 @@ def make_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
 
 def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
   """A function params -> {'eval/lm/validation/CE loss', PPL} over fixed batches, or None."""
-  if not cfg.data.validation_paths or not cfg.train.eval_every:
-    if cfg.train.eval_every:
-      logging.warning('No held-out set: validation loss is not measured. Set '
-                      '--config.data.validation_paths, or prepare the data with '
-                      'scripts/prepare_data.py, whose mix holds documents out.')
-    return None
-  sizes = [token_files.inspect_file(p).num_tokens for p in cfg.data.validation_paths]
-  if max(sizes) < cfg.data.seq_len:
-    logging.warning('The held-out set %s has no file of seq_len=%d tokens (the longest has %d): '
-                    'validation loss is not measured. Hold out more data.',
-                    list(cfg.data.validation_paths), cfg.data.seq_len, max(sizes))
-    return None
-  val_ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths))
   rows = sharding.batch_sharding(mesh)
-  batch_size = min(cfg.data.global_batch_size, val_ds.num_instances)
-  if batch_size:
-    batch_size -= batch_size % data.num_batch_shards(rows, batch_size) or 0
-  if batch_size < 1:
-    logging.warning('The held-out set %s holds %d instances of %d tokens, too few for one '
-                    'batch on this mesh: validation loss is not measured.',
-                    list(cfg.data.validation_paths), val_ds.num_instances, cfg.data.seq_len)
+  held_out = cfg.train.eval_every and data.held_out_batches(
+      cfg.data, lambda b: batches.num_batch_shards(rows, b))
+  if not held_out:
     return None
-  batches = data.validation_batches(val_ds, batch_size, cfg.data.validation_batches,
-                                    document_masking=data.wants_segments(cfg.data))
   step = jax.jit(make_eval_step(cfg, mesh))
 
   def evaluate(params):
     ce, count = 0.0, 0
-    for b in batches:
+    for b in held_out:
       c, n = step(params, {k: jax.device_put(v, NamedSharding(mesh, P(*rows.spec[:np.ndim(v)])))
                            for k, v in b.items()})
       ce, count = ce + float(c), count + int(n)
@@ -251,10 +236,12 @@ def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
 
 
 def checkpoint_meta(cfg: ml_collections.ConfigDict, step: int, loader: data.Loader,
-                    version: str) -> dict[str, Any]:
-  """What a checkpoint records besides the state: the config, the data position, the code."""
+                    version: str, recovery: rollback.Recovery | None = None) -> dict[str, Any]:
+  """What a checkpoint records besides the state: the config, the data position (with its
+  skipped windows), the code, and the rollbacks so far."""
   return {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
-          'code_version': version, 'rng_seed': cfg.train.seed}
+          'code_version': version, 'rng_seed': cfg.train.seed,
+          **(recovery.meta() if recovery else {})}
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
@@ -276,7 +263,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
   cache_dir = cfg.data.cache_dir or os.path.join(workdir, 'data_cache')
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
-  accum = data.grad_accum_steps(cfg.data.global_batch_size,
+  accum = batches.grad_accum_steps(cfg.data.global_batch_size,
                                 int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
                                 cfg.train.micro_batch_size)
   impl, why = kernels.resolve(cfg.model, segments=data.wants_segments(cfg.data))
@@ -288,44 +275,48 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   with lock:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
-    if not ckpt.committed_steps() and any(
-        n.startswith('corrupt.step_') for n in os.listdir(ckpt.directory)):
-      # restore_latest_good set them all aside earlier; starting over from step 0
-      # here would silently replace the run.
-      raise errors.ConfigError(f'{ckpt.directory} holds only corrupt checkpoints '
-                               '(corrupt.step_*); restore a good copy there, or remove them to '
-                               'start afresh.')
+    if not ckpt.committed_steps():
+      step_dirs.check_fresh_start(ckpt.directory, workdir)
+    recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
-    loader = data.Loader.from_config(cfg.data, ds, state=data_state, step=start,
-                                     sharding=sharding.batch_sharding(mesh), cache_dir=cache_dir)
+
+    def make_loader(data_state, step):  # again after a rollback, with its window skipped
+      return data.Loader.from_config(cfg.data, ds, state=data_state, step=step,
+                                     sharding=sharding.batch_sharding(mesh), cache_dir=cache_dir,
+                                     skips=recovery.skips)
+    recovery.target = abstract_state(cfg, tx, mesh)
     train_step = jax.jit(make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
                          out_shardings=(shardings, None))
     logging.info('Training %s params on %d devices (mesh %s), %d micro-batches/step, '
                  'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
                  dict(mesh.shape), accum, start, cfg.train.steps)
-    state, last = loop(cfg, workdir, state, start, train_step, loader, ckpt, ds, mesh)
+    state, last = loop(cfg, workdir, state, start, train_step, make_loader(data_state, start),
+                       ckpt, ds, mesh, recovery, make_loader)
   if sample_tokens:
     sample.print_sample(cfg, state.params, sample_tokens)
   return last
 
 
 def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start: int,
-         train_step: Any, loader: data.Loader, ckpt: checkpoint.Checkpointer, ds: Any, mesh: Mesh
-         ) -> tuple[TrainState, dict[str, float]]:
+         train_step: Any, loader: data.Loader, ckpt: checkpoint.Checkpointer, ds: Any, mesh: Mesh,
+         recovery: rollback.Recovery, make_loader: Any) -> tuple[TrainState, dict[str, float]]:
   """Steps from `start` to cfg.train.steps: log, judge, evaluate, checkpoint; stops on a
-  signal (EXIT_PREEMPTED) or a divergence (EXIT_DIVERGED)."""
+  signal (EXIT_PREEMPTED) or a divergence (EXIT_DIVERGED) that rollback.py may not recover."""
   step = start
   if start == cfg.train.steps:
     print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '
           '--config.train.steps to train further.', flush=True)
   evaluate = held_out_evaluator(cfg, mesh)
-  repeats = health.RepeatTracker.for_run(ds, loader) if cfg.train.track_repeats else None
-  memorization = health.MemorizationWatch(cfg.train.memorization_threshold,
-                                          cfg.train.memorization_evals)
-  writer = metrics.MetricWriter(workdir, start)
-  guard = health.DivergenceGuard(cfg.train)
-  progress = metrics.Progress(cfg, writer, guard, mesh.size, start)
+
+  def watchers(start):  # what judges and records the steps after `start`; anew at a rollback
+    writer = metrics.MetricWriter(workdir, start)  # drops records past `start`, as a resume does
+    guard = health.DivergenceGuard(cfg.train)
+    return (health.RepeatTracker.for_run(ds, loader) if cfg.train.track_repeats else None,
+            health.MemorizationWatch(cfg.train.memorization_threshold,
+                                     cfg.train.memorization_evals),
+            writer, guard, metrics.Progress(cfg, writer, guard, mesh.size, start))
+  repeats, memorization, writer, guard, progress = watchers(start)
   preempt, heartbeat = health.Preemption(), health.Heartbeat()
   version = metrics.code_version()
   last = {}
@@ -336,8 +327,9 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       batch = next(loader)
       wait = time.perf_counter() - t0
       ckpt.poll()  # a failed background save stops the run now, not at the next save
-      state, step_metrics = train_step(state, batch)
+      state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
       step += 1
+      step_metrics = {**step_metrics, **recovery.counters(step)}
       if repeats is not None:  # host-side: the ids of the batch just taken
         step_metrics = {**step_metrics, 'data/repeated instances': repeats.observe(
             loader.last_position[0], loader.ids_at(*loader.last_position))}
@@ -349,11 +341,17 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       if log or save:  # a save is judged healthy only after the guard saw its step
         last = progress.flush(log)
         memorization.observe_train(step, last['train/CE loss'])
-      if guard.reason:
-        health.stop_diverged(guard.reason, step, cfg, ckpt, state,
-                             checkpoint_meta(cfg, step, loader, version), writer)
+      if guard.reason:  # roll back to the last healthy state, or stop (EXIT_DIVERGED)
+        state, step, data_state = recovery.roll_back(
+            guard.reason, step, state, recovery.target,
+            checkpoint_meta(cfg, step, loader, version, recovery), writer)
+        loader.close()
+        writer.close()
+        loader = make_loader(data_state, step)
+        repeats, memorization, writer, guard, progress = watchers(step)
+        continue
       # Not on preemption: the grace period is for the checkpoint.
-      if evaluate and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or finished):
+      if evaluate and (step % cfg.train.eval_every == 0 or finished) and not preempted:
         val = evaluate(state.params)
         writer.write(step, {**val, **memorization.observe_eval(
             step, val['eval/lm/validation/CE loss'])})
@@ -361,7 +359,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
               flush=True)
       if save:
-        ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version),
+        ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version, recovery),
                   healthy=guard.healthy)
       if preempted:
         ckpt.wait()

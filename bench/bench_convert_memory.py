@@ -134,9 +134,9 @@ def peak_rss(cmd: list[str]) -> float:
 def _check(tensors, ckpt: str, export: str) -> None:
   """A few converted values equal the written ones (layer 0's w1, the lm_head), both ways."""
   import checkpoint  # pylint: disable=import-outside-toplevel
-  import olmo_core_ckpt as occ  # pylint: disable=import-outside-toplevel
+  import olmo_core_reader  # pylint: disable=import-outside-toplevel
   index = {key: (k, shape) for k, (key, shape) in enumerate(tensors)}
-  reader = occ.Reader(os.path.join(export, 'model_and_optim'))
+  reader = olmo_core_reader.Reader(os.path.join(export, 'model_and_optim'))
   for key, ours, box in (
       ('model.blocks.0.feed_forward.w1.weight', 'params/mlp/w_gate', None),
       ('optim.state.lm_head.w_out.weight.exp_avg_sq', 'opt_state/nu/lm_head/w', None)):

@@ -29,6 +29,7 @@ from absl import flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import batches  # noqa: E402  pylint: disable=wrong-import-position
 import data  # noqa: E402  pylint: disable=wrong-import-position
 
 _MODE = flags.DEFINE_enum('mode', 'throughput', ['throughput', 'full_scale'], 'What to measure.')
@@ -118,7 +119,7 @@ def throughput(workdir: str) -> None:
   runs = {
       'ours': lambda: ours(paths, os.path.join(workdir, 'c1')),
       'ours + filter + segment_ids': lambda: ours(
-          paths, os.path.join(workdir, 'c2'), repetition_filter=data.RepetitionFilter(),
+          paths, os.path.join(workdir, 'c2'), repetition_filter=batches.RepetitionFilter(),
           document_masking=True),
       'ours -> global jax.Array': lambda: ours(paths, os.path.join(workdir, 'c3'),
                                                sharding=sharding),

@@ -33,7 +33,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from configs import small  # pylint: disable=g-import-not-at-top,wrong-import-position
-import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+import batches  # pylint: disable=g-import-not-at-top,wrong-import-position
 import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import model  # pylint: disable=g-import-not-at-top,wrong-import-position
 import optim  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -73,7 +73,7 @@ class Ours:
     self.step = jax.jit(train.make_train_step(cfg, tx, self.mesh, 1), donate_argnums=0,
                         out_shardings=(shardings, None))
     rows = sharding.batch_sharding(self.mesh)
-    self.batch = data.make_global_batch(batch, rows, np.arange(len(batch['tokens'])),
+    self.batch = batches.make_global_batch(batch, rows, np.arange(len(batch['tokens'])),
                                         len(batch['tokens']))
     start = time.perf_counter()
     self.run(1)

@@ -145,6 +145,24 @@ def get_config() -> ml_collections.ConfigDict:
   # its sigma, so the next steps pass; only a run that keeps producing NaNs or
   # ever-growing spikes skips 100 in a row.
   c.train.max_consecutive_skips = 100
+  # Automatic rollback (ours; rollback.py, docs/rollback.md). When the guard trips, restore
+  # the last healthy checkpoint, skip the global batches read since it (plus a margin) and
+  # go on, at most this many times per run; 0 stops at the first trip (exit 4), as before.
+  # On by default: a stopped 1,000-chip run costs more than a few skipped batches.
+  c.train.rollback_attempts = 3
+  # Global batches skipped after the trip step too. PaLM (Chowdhery et al. 2022, sec. 5.1)
+  # restarted ~100 steps before a spike and skipped 200-500 batches; the restored
+  # checkpoint here is up to ckpt_every steps back, so the window is already that long.
+  c.train.rollback_margin = 100
+  # LR factor for the first rollback_lr_steps steps after a rollback (1.0: the schedule's).
+  # Applied as a scale on the update, which for AdamW with decoupled decay is the LR's.
+  c.train.rollback_lr_factor = 1.0
+  c.train.rollback_lr_steps = 0
+  # Global batches to skip from the start, as (start, stop) or (start, stop, lr_factor,
+  # lr_steps): indices count batches across epochs ((epoch - 1) * batches_per_epoch + step),
+  # [start, stop) is skipped, and lr_factor scales the LR of the lr_steps steps that first
+  # read after the window. A rollback's windows (<workdir>/rollbacks.jsonl) add to these.
+  c.train.skip_batches = ()
   # The data guards (ours; health.RepeatTracker, health.MemorizationWatch). The
   # seed's reproduction trained up to 0.22 nats below Ai2's loss with held-out
   # C4 tied: a loader bug repeated sequences and the model memorized them.

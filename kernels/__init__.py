@@ -14,6 +14,10 @@ returns the functions that run them for `cfg.attention_impl`:
   'auto'            `resolve`: 'pallas' on TPU, 'cudnn' on GPU where cuDNN
                     supports the step, else 'xla' (CPU included)
 
+kernels/chunked_ce.py is the third speed path: the output head's logits and
+cross-entropy sums for a chunk of positions, with a backward that writes the
+logits' gradient over them in place (loss.py calls it).
+
 Shapes: B batch, T queries, S keys, H query heads, G kv heads, K head_dim.
 """
 

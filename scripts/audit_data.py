@@ -8,7 +8,7 @@
    (its position bookkeeping, epoch rollover and resume checks; only the token
    read is skipped), restarted from its saved state at every resume point.
    Each step's ids are split as the run splits them (W data-parallel ranks,
-   A micro-batches each: data.batch_positions, data.grad_accum_steps) and
+   A micro-batches each: batches.batch_positions, batches.grad_accum_steps) and
    marked in a bitmap of N bits per epoch (health.mark_seen, shared with the
    in-loop `data/repeated instances` metric). For every epoch driven, it proves
    each instance id is read at most once, and exactly once in a complete epoch
@@ -64,8 +64,9 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402  (the repository root must be on the path first)
+import batches  # noqa: E402  (the repository root must be on the path first)
 import config_checks  # noqa: E402
+import data  # noqa: E402
 import errors  # noqa: E402
 import health  # noqa: E402
 import token_files  # noqa: E402
@@ -190,9 +191,9 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
   B, N = cfg_data.global_batch_size, ds.num_instances
   report = plan(N, B, steps)
   per_epoch, epochs = report['batches_per_epoch'], report['epochs']
-  positions = data.batch_positions(B, devices)  # row -> global-batch position, rank-major
+  positions = batches.batch_positions(B, devices)  # row -> global-batch position, rank-major
   mb = micro_batch_size or B // devices
-  accum = data.grad_accum_steps(B, devices, mb)
+  accum = batches.grad_accum_steps(B, devices, mb)
   full = all_epochs or epochs <= _FULL_EPOCHS
   audited = list(range(1, epochs + 1)) if full else audited_epochs(epochs, per_epoch, steps,
                                                                    resume_every)
@@ -412,7 +413,7 @@ def _tokens(file: token_files.TokenFile) -> np.ndarray:
 
 def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: int = 1024,
                   min_doc_tokens: int = 32, ngrams: bool = False,
-                  rf: data.RepetitionFilter = data.RepetitionFilter()) -> dict[str, Any]:
+                  rf: batches.RepetitionFilter = batches.RepetitionFilter()) -> dict[str, Any]:
   """Identical instances, repeated documents and (with `ngrams`) repetition statistics."""
   T, eos = ds.seq_len, ds.eos_token_id
   total_tokens = sum(f.num_tokens for f in ds.files)
@@ -497,7 +498,7 @@ def _hash_documents(tokens: np.ndarray, eos: int, entry: int, min_tokens: int,
 
 
 def max_repeat_times(tokens_nT: np.ndarray,
-                     rf: data.RepetitionFilter = data.RepetitionFilter()) -> np.ndarray:
+                     rf: batches.RepetitionFilter = batches.RepetitionFilter()) -> np.ndarray:
   """int [n]: per instance, the most repeats of a period-p pattern, p in OLMo-core's range.
 
   OLMo-core's find_periodic_sequences reports, for a maximal run of L

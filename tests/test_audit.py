@@ -17,6 +17,7 @@ import numpy as np
 from olmo_core.data.utils import find_periodic_sequences
 import pytest
 
+import batches
 import data
 from script_module import load_script
 import health
@@ -182,7 +183,7 @@ def test_ngram_statistics_match_olmo_core(files):
     theirs = [r.times for r in find_periodic_sequences(tokens[row].astype(np.int64),
                                                        max_period=13)]
     assert ours[row] == max(theirs, default=0), row
-  np.testing.assert_array_equal(ours >= 32, data.repetition_rejected(tokens))
+  np.testing.assert_array_equal(ours >= 32, batches.repetition_rejected(tokens))
   report = audit.audit_content(_ds(files), ngrams=True)
   assert report['ngrams']['rejected_instances'] == 0
   assert sum(report['ngrams']['max_repeats_histogram'].values()) == _ds(files).num_instances

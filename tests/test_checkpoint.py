@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import checkpoint
+import errors
 import chunk_store
 import workdir_lock
 from xla_flags import with_devices
@@ -645,7 +646,8 @@ def test_workdir_lock_excludes_a_second_run_and_takes_over_a_dead_ones(tmp_path,
       pass
   assert not caplog.records  # a clean release leaves no stale holder behind
   (tmp_path / 'other' / workdir_lock.LOCK).mkdir(parents=True)
-  with pytest.raises(OSError, match='Cannot open the workdir lock .*LOCK a regular file'):
+  with pytest.raises(errors.ConfigError,
+                     match='cannot write the workdir lock .*LOCK a regular file'):
     with workdir_lock.WorkdirLock(str(tmp_path / 'other')):
       pass
 

@@ -148,7 +148,8 @@ def test_train_step_metrics_equal_cp1(xla_setup):
   out = {}
   for cp in (1, 4):
     mesh = _mesh(cfg, cp)
-    state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(1))
+    tx = optim.make_optimizer(cfg.opt)
+    state, shardings = train.create_state(cfg, tx, mesh, jax.random.key(1))
     state = state._replace(params=jax.device_put(params, shardings.params))
     step = jax.jit(train.make_train_step(cfg, optim.make_optimizer(cfg.opt), mesh, accum=1))
     _, metrics = step(state, _put(batch, mesh))
@@ -181,28 +182,29 @@ def _allocated_bytes(tree, device) -> int:
 
 def test_state_is_sharded_over_the_context_axis_and_restores_onto_any_mesh(tmp_path):
   """Weights and Adam moments shard over ('fsdp', 'context'): per-device state falls by the
-  CP degree (train.state_bytes equals what a real state allocates), and a checkpoint saved
+  CP degree (sharding.state_bytes equals what a real state allocates), and a checkpoint saved
   on a CP mesh restores bit-exactly onto meshes with and without a context axis."""
   import checkpoint
   cfg = _config()
   cfg.model.d_model, cfg.model.mlp_hidden = 64, 128  # d_model splits 8 ways
+  tx = optim.make_optimizer(cfg.opt)
   sizes = {}
   for fsdp, cp in ((2, 1), (2, 2), (2, 4)):
     shape = {'data': 1, 'fsdp': fsdp, 'tensor': 1} | ({'context': cp} if cp > 1 else {})
-    sizes[fsdp, cp] = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), shape)
+    sizes[fsdp, cp] = sharding.state_bytes(train.abstract_state(cfg, tx), shape)
   # Independently: every projection and the lm_head hold 1 / (fsdp * cp) of themselves; the
   # embedding table (kept on 'fsdp', see sharding.PARAM_SPECS) and the norms what they held.
   names = ('w_q', 'w_k', 'w_v', 'w_o', 'w_gate', 'w_up', 'w_down', 'w')
   matrices = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(
-      train.abstract_state(cfg, optim.make_optimizer(cfg.opt)).params) if path[-1].key in names)
+      train.abstract_state(cfg, tx).params) if path[-1].key in names)
   for cp in (2, 4):
     saved = sizes[2, 1][0] - sizes[2, cp][0]
     assert saved == matrices // 2 - matrices // (2 * cp), (cp, sizes)
     assert sizes[2, 1][1] - sizes[2, cp][1] == 2 * saved  # Adam mu and nu alike
   mesh = _mesh(cfg, 4, fsdp=2)
-  state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(3))
+  state, shardings = train.create_state(cfg, tx, mesh, jax.random.key(3))
   assert shardings.params['attention']['w_q'].spec[1] == ('fsdp', 'context')
-  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), dict(mesh.shape))
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, tx), dict(mesh.shape))
   for device in mesh.devices.flat:
     assert _allocated_bytes(state.params, device) == params
     assert _allocated_bytes(state.opt_state, device) == opt
@@ -212,7 +214,7 @@ def test_state_is_sharded_over_the_context_axis_and_restores_onto_any_mesh(tmp_p
   want = jax.device_get(state)
   for fsdp, cp in ((8, 1), (1, 8), (4, 2)):
     restored, _ = checkpoint.restore_latest_good(
-        str(tmp_path), train.abstract_state(cfg, optim.make_optimizer(cfg.opt), _mesh(cfg, cp, fsdp=fsdp)))
+        str(tmp_path), train.abstract_state(cfg, tx, _mesh(cfg, cp, fsdp=fsdp)))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), want)
 
 

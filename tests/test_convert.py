@@ -128,7 +128,8 @@ def test_converting_into_an_existing_checkpoint_needs_overwrite(tmp_path):
 
   (ckpt / 'notes.txt').write_text('mine')  # --overwrite would delete it with the directory
   proc = run_convert(f'--from_hf={new}', f'--to={ckpt}', '--overwrite')
-  assert proc.returncode == errors.EXIT_USAGE and "holds ['notes.txt'] besides its checkpoints" in proc.stderr
+  assert proc.returncode == errors.EXIT_USAGE
+  assert "holds ['notes.txt'] besides its checkpoints" in proc.stderr
   chex.assert_trees_all_equal(params_of(ckpt), old_params)
   (ckpt / 'notes.txt').unlink()
 

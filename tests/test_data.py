@@ -17,6 +17,7 @@ from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderC
 from olmo_core.data.utils import get_document_lengths, get_labels
 from tokenizers import Tokenizer
 
+import batches
 import data
 from configs import olmo3_7b
 from script_module import load_script
@@ -105,11 +106,11 @@ def test_order_tokens_ranks_fingerprint_match_olmo_core(tmp_path, case, seed):
   cache = str(tmp_path / 'cache')
   for epoch in (1, 2):
     for world in worlds:
-      shard_rows = data.batch_positions(B, world).reshape(world, -1)
+      shard_rows = batches.batch_positions(B, world).reshape(world, -1)
       for rank in range(world):
-        dl, batches = olmo_epoch(ods, B, T, seed, epoch, tmp_path / 'olmo', world, rank)
-        assert len(batches) == dl.total_batches == data.batches_per_epoch(ds, B)
-        for step, batch in enumerate(batches):
+        dl, theirs = olmo_epoch(ods, B, T, seed, epoch, tmp_path / 'olmo', world, rank)
+        assert len(theirs) == dl.total_batches == data.batches_per_epoch(ds, B)
+        for step, batch in enumerate(theirs):
           ids = data.global_batch_ids(ds, seed, epoch, step, B, cache_dir=cache)[shard_rows[rank]]
           np.testing.assert_array_equal(ids, batch['index'].numpy())
           np.testing.assert_array_equal(ds.read(ids), batch['input_ids'].numpy())
@@ -184,14 +185,14 @@ def test_loader_batches_match_olmo_core_with_filter_and_documents(tmp_path, worl
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:world]), ('data',))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
   loader = data.Loader(ds, seed=seed, global_batch_size=B, epoch=1, sharding=sharding,
-                       repetition_filter=data.RepetitionFilter(), document_masking=True)
+                       repetition_filter=batches.RepetitionFilter(), document_masking=True)
   ours = [next(loader) for _ in range(data.batches_per_epoch(ds, B))]
   loader.close()
   rejected = 0
   for rank in range(world):
-    _, batches = olmo_epoch(ods, B, T, seed, 1, tmp_path / 'olmo', world, rank)
-    assert len(batches) == len(ours)
-    for batch, theirs in zip(ours, batches):
+    _, their_batches = olmo_epoch(ods, B, T, seed, 1, tmp_path / 'olmo', world, rank)
+    assert len(their_batches) == len(ours)
+    for batch, theirs in zip(ours, their_batches):
       rows = slice(rank * B // world, (rank + 1) * B // world)  # device shard `rank`
       shard = {k: np.asarray(v)[rows] for k, v in batch.items()}
       np.testing.assert_array_equal(shard['tokens'], theirs['input_ids'].numpy())
@@ -220,12 +221,12 @@ def test_global_batch_does_not_depend_on_device_count(tmp_path):
 
 
 def test_grad_accum_steps_and_errors():
-  assert data.grad_accum_steps(512, 8, 1) == 64
-  assert data.grad_accum_steps(512, 256, 2) == 1
+  assert batches.grad_accum_steps(512, 8, 1) == 64
+  assert batches.grad_accum_steps(512, 256, 2) == 1
   with pytest.raises(ValueError, match='not divisible by the 3 devices'):
-    data.grad_accum_steps(512, 3, 1)
+    batches.grad_accum_steps(512, 3, 1)
   with pytest.raises(ValueError, match='not a multiple of micro_batch_size 3'):
-    data.grad_accum_steps(512, 8, 3)
+    batches.grad_accum_steps(512, 8, 3)
 
 
 def _olmo_rejects(x, rf):
@@ -244,7 +245,7 @@ def test_repetition_filter_matches_olmo_core():
       run = np.tile(rng.integers(0, 1000, p), count)[:length]
       start = int(rng.integers(0, x.size))
       x[start:start + run.size] = run[:x.size - start]
-    rf = data.RepetitionFilter(int(rng.integers(1, 16)), int(rng.integers(1, 4)),
+    rf = batches.RepetitionFilter(int(rng.integers(1, 16)), int(rng.integers(1, 4)),
                                int(rng.integers(1, 40)))
     cases.append((x, rf))
   for p in (1, 2, 7, 13, 14):  # the 7B settings, right at the 32-repeat threshold
@@ -252,10 +253,10 @@ def test_repetition_filter_matches_olmo_core():
       for at in (0, 4000, 8192 - p * count):
         x = rng.integers(0, VOCAB, 8192)
         x[at:at + p * count] = np.tile(rng.integers(0, VOCAB, p), count)
-        cases.append((x, data.RepetitionFilter()))
+        cases.append((x, batches.RepetitionFilter()))
   verdicts = []
   for x, rf in cases:
-    ours = bool(data.repetition_rejected(x[None], rf)[0])
+    ours = bool(batches.repetition_rejected(x[None], rf)[0])
     assert ours == _olmo_rejects(x, rf), (x.tolist(), rf)
     verdicts.append(ours)
   assert 100 < sum(verdicts) < len(verdicts) - 100  # both outcomes well covered
@@ -265,7 +266,7 @@ def test_segment_ids_match_olmo_core_document_lengths():
   rng = np.random.default_rng(1)
   for _ in range(200):
     x = rng.integers(0, 4, int(rng.integers(1, 50)))  # token 0 plays EOS
-    seg = data.segment_ids(x[None], 0)[0]
+    seg = batches.segment_ids(x[None], 0)[0]
     assert seg[0] == 0 and np.all(np.diff(seg) >= 0)
     np.testing.assert_array_equal(np.bincount(seg), get_document_lengths(x, 0).numpy())
 
@@ -551,6 +552,6 @@ def test_two_processes_read_only_their_rows(tmp_path):
   assert all(r['devices'] == 4 for r in results)
   ds = make_ds(paths, 16)
   for step, full in zip((2, 3), zip(*[r['full'] for r in results])):
-    expected = ds.read(data.global_batch_ids(ds, 9, 1, step, 8)[data.batch_positions(8, 4)])
+    expected = ds.read(data.global_batch_ids(ds, 9, 1, step, 8)[batches.batch_positions(8, 4)])
     for got in full:
       np.testing.assert_array_equal(np.array(got), expected)

@@ -143,3 +143,11 @@ def test_resume_mistakes_keep_every_checkpoint(tmp_path, mix):
     shutil.copy(backup, shard)
   assert sorted(os.listdir(work / 'checkpoints')) == kept
   assert os.path.isfile(work / 'error.log')  # the stacks went to the log
+
+  # A checkpoint one level too high (converted with --to=WORKDIR/.. style paths) is named.
+  misplaced = tmp_path / 'other'
+  misplaced.mkdir()
+  shutil.copytree(work / 'checkpoints' / 'step_2', misplaced / 'step_2')
+  fresh = train_cli(misplaced, f'--config.data.mix_file={mix}', *TINY)
+  assert fresh.returncode == 0, fresh.stderr[-3000:]
+  assert f'{misplaced} holds checkpoint steps [2] directly' in fresh.stderr

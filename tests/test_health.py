@@ -122,6 +122,21 @@ def test_preemption_flag_and_handlers_restored():
   assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_second_ctrl_c_stops_at_once(capfd):
+  """After the first SIGINT the default action is back: a second one ends the process even
+  inside a long XLA call, where no Python handler runs."""
+  before = signal.getsignal(signal.SIGINT)
+  preempt = health.Preemption()
+  try:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preempt.requested
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    assert 'Ctrl-C again stops at once' in capfd.readouterr().err
+  finally:
+    preempt.close()
+  assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_heartbeat_touches_the_launcher_file(tmp_path, monkeypatch):
   path = tmp_path / 'beat'
   monkeypatch.delenv(health.HEARTBEAT_ENV, raising=False)

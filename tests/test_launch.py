@@ -370,7 +370,8 @@ def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
   state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(0))
   ds = data.Dataset.from_config(cfg.data)
   loader = data.Loader(ds, seed=cfg.data.seed, global_batch_size=8)
-  step = jax.jit(train.make_train_step(cfg, optim.make_optimizer(cfg.opt), mesh, accum=4), out_shardings=(shardings, None))
+  step = jax.jit(train.make_train_step(cfg, optim.make_optimizer(cfg.opt), mesh, accum=4),
+                 out_shardings=(shardings, None))
   put = lambda b: {k: jax.device_put(v, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(*sharding.batch_sharding(mesh).spec[:np.ndim(v)])))
       for k, v in b.items()}

@@ -149,7 +149,8 @@ def test_cp_positions_are_olmo_core_sharded_tables(cp, rank):
   q = np.random.default_rng(cp).normal(size=(1, t // cp, 2, k)).astype(np.float32)
   ref, _ = rope(torch.as_tensor(q), torch.as_tensor(q), head_first=False,
                 pos_sin=sin[local], pos_cos=cos[local])
-  cfg = config_checks.complete(long_context_small.get_config()).model  # the stage-3 default: rope_document_positions off
+  # The stage-3 default: rope_document_positions off.
+  cfg = config_checks.complete(long_context_small.get_config()).model
   assert not olmo3_7b_stage3.get_config().model.rope_document_positions
   positions = model.positions(cfg, 1, t, jnp.asarray(np.repeat([0, 1, 2], [5, 20, 7])[None]))
   np.testing.assert_allclose(_ours_rope(q, positions[:, local]), ref.numpy(), atol=2e-6)
@@ -196,7 +197,8 @@ def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   cfg3.model.update(num_layers=4, d_model=64, mlp_hidden=128)
   cfg3.train.update(init_from=ckpt_dir, reset_step_on_init=True, mesh_fsdp=1, mesh_context=2)
   mesh3 = sharding.make_mesh(cfg3.train, jax.devices()[:2])
-  fresh, shardings = train.create_state(cfg3, optim.make_optimizer(cfg3.opt), mesh3, jax.random.key(1))
+  fresh, shardings = train.create_state(cfg3, optim.make_optimizer(cfg3.opt), mesh3,
+                                        jax.random.key(1))
   started = train.load_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, fresh, shardings)
   got, want = jax.device_get(started), jax.device_get(stage2)
   for a, b in zip(jax.tree.leaves((got.params, got.opt_state.mu, got.opt_state.nu)),

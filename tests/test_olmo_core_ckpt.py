@@ -221,6 +221,7 @@ import data  # noqa: E402
 import errors  # noqa: E402
 import olmo_core_ckpt as occ  # noqa: E402
 import olmo_core_config as ocfg  # noqa: E402
+import olmo_core_reader  # noqa: E402
 import optim
 import sharding
 import train  # noqa: E402
@@ -251,7 +252,8 @@ def _olmo_core_reads(step_dir: str, keys: list[str]) -> dict:
 
 
 def _ours(ckpt: str, cfg, step: int = K) -> train.TrainState:
-  target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), train.abstract_state(cfg, optim.make_optimizer(cfg.opt)))
+  target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                        train.abstract_state(cfg, optim.make_optimizer(cfg.opt)))
   state, _ = checkpoint.restore(ckpt, target, step)
   return state
 
@@ -439,7 +441,7 @@ def test_fsdp_sharded_checkpoint_converts_bit_exactly(tmp_path):
   run_olmo_core('fsdp', save, world=2, horizon=10, stop=steps, save_interval=steps,
                 init_seed=11, overrides=shape)
   step_dir = os.path.join(save, f'step{steps}')
-  reader = occ.Reader(os.path.join(step_dir, 'model_and_optim'))
+  reader = olmo_core_reader.Reader(os.path.join(step_dir, 'model_and_optim'))
   sharded = [k for k, c in reader.chunks.items() if k.startswith('model.') and len(c) > 1]
   assert len(sharded) == sum(1 for _ in occ.tensor_names(2))  # both ranks hold part of each
   assert {f.split('_')[2] for f in reader.files()} == {'0', '1'}
@@ -494,7 +496,7 @@ def test_vocabulary_arrays_move_in_row_blocks_bit_exactly(synthetic, tmp_path, m
   monkeypatch.setattr(occ, 'BLOCK_BYTES', 4 * cfg.model.vocab_size * 8)  # 8 of D's 64 rows
   export = str(tmp_path / 'step5')
   occ.export_step(synthetic['ckpt'], export)
-  reader = occ.Reader(os.path.join(export, 'model_and_optim'))
+  reader = olmo_core_reader.Reader(os.path.join(export, 'model_and_optim'))
   np.testing.assert_array_equal(reader.tensor('model.lm_head.w_out.weight'),
                                 synthetic['state'].params['lm_head']['w'].T)
   occ.import_step(export, str(tmp_path / 'back'))
@@ -618,7 +620,8 @@ def test_config_flag_stores_the_run_config_and_refuses_another_run(synthetic, tm
        f'--to={tmp_path / "cli"}', '--config=configs/tiny_repro.py', '--config.data.seed=5'],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
       timeout=600)
-  assert done.returncode == errors.EXIT_USAGE and 'convert.py: error: --config does not describe' in done.stderr
+  assert done.returncode == errors.EXIT_USAGE
+  assert 'convert.py: error: --config does not describe' in done.stderr
   assert 'data.seed=5' in done.stderr and not os.path.exists(tmp_path / 'cli')
 
 

@@ -14,6 +14,7 @@ from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderC
 from olmo_core.data import numpy_dataset as olmo_numpy_dataset
 from olmo_core.data.utils import InstancePacker, get_labels, iter_document_indices
 
+import batches
 import data
 from configs import olmo3_7b
 import packed
@@ -127,8 +128,8 @@ def test_instances_fingerprint_and_doc_lengths_match_olmo_core(tmp_path, case):
   assert direct.fingerprint == ods.fingerprint
   tokens, real = ds.read_with_lengths(np.arange(ds.num_instances))
   np.testing.assert_array_equal(direct.read(np.arange(ds.num_instances)), tokens)
-  segments = data.segment_ids(tokens, EOS, bos)
-  rejected = data.repetition_rejected(tokens)  # the filter sees the padding, as OLMo-core's does
+  segments = batches.segment_ids(tokens, EOS, bos)
+  rejected = batches.repetition_rejected(tokens)  # the filter sees the padding, as OLMo-core's does
   ods.instance_filter_config = InstanceFilterConfig()
   for i in range(len(ods)):
     item = ods[i]
@@ -200,16 +201,16 @@ def test_loader_order_ranks_and_resume_match_olmo_core(tmp_path, seed):
       ours = [{key: np.asarray(v) for key, v in next(loader).items()} for _ in range(n + 1)]
     for rank in range(world):
       dl = olmo_loader(ods, B, T, seed, tmp_path / 'olmo', world, rank)
-      for epoch, batches in ((1, ours[:n]), (2, ours[n:])):
+      for epoch, ours_epoch in ((1, ours[:n]), (2, ours[n:])):
         dl.reshuffle(epoch=epoch)
         theirs = list(dl)
         dl.reset()
         assert len(theirs) == n if epoch == 1 else len(theirs) >= 1
-        for step, (batch, their) in enumerate(zip(batches, theirs)):
+        for step, (batch, their) in enumerate(zip(ours_epoch, theirs)):
           rows = slice(rank * B // world, (rank + 1) * B // world)  # device shard `rank`
           assert_same_batch({key: v[rows] for key, v in batch.items()}, their)
           ids = data.global_batch_ids(ds, seed, epoch, step, B, cache)
-          np.testing.assert_array_equal(ids[data.batch_positions(B, world)][rows],
+          np.testing.assert_array_equal(ids[batches.batch_positions(B, world)][rows],
                                         their['index'].numpy())
   # Stateless resume after k batches equals OLMo-core resumed from its own state.
   with data.Loader.from_config(cfg, ds, cache_dir=cache) as loader:
@@ -386,7 +387,7 @@ def test_a_file_without_eos_adds_no_document_as_in_olmo_core(tmp_path, caplog, s
                         'cfg.data.eos_token_id, or the file.'], attempt
     assert ds.num_instances == len(ods), attempt
     tokens, real = ds.read_with_lengths(np.arange(ds.num_instances))
-    segments = data.segment_ids(tokens, EOS)
+    segments = batches.segment_ids(tokens, EOS)
     for i in range(len(ods)):
       item = ods[i]
       np.testing.assert_array_equal(tokens[i], item['input_ids'].numpy())

@@ -43,8 +43,10 @@ def _allocated_bytes(tree, device) -> int:
                                   dict(mesh_data=1, mesh_fsdp=4, mesh_tensor=2)])
 def test_state_bytes_equal_a_real_sharded_state(mesh):
   cfg = _config(**mesh)
-  state, _ = train.create_state(cfg, optim.make_optimizer(cfg.opt), sharding.make_mesh(cfg.train), jax.random.key(0))
-  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), sharding.mesh_shape(cfg.train, 8))
+  tx = optim.make_optimizer(cfg.opt)
+  state, _ = train.create_state(cfg, tx, sharding.make_mesh(cfg.train), jax.random.key(0))
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, tx),
+                                     sharding.mesh_shape(cfg.train, 8))
   for device in jax.devices():
     assert params == _allocated_bytes(state.params, device)
     assert opt == _allocated_bytes(state.opt_state, device)
@@ -53,7 +55,8 @@ def test_state_bytes_equal_a_real_sharded_state(mesh):
 def test_compiled_arguments_are_state_plus_batch():
   cfg = _config()
   compiled = plan.compile_step(cfg, jax.devices()[:4])
-  state, _ = train.create_state(cfg, optim.make_optimizer(cfg.opt), sharding.make_mesh(cfg.train, jax.devices()[:4]),
+  state, _ = train.create_state(cfg, optim.make_optimizer(cfg.opt),
+                                sharding.make_mesh(cfg.train, jax.devices()[:4]),
                                 jax.random.key(0))
   batch = 16 // 4 * (64 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 4 rows each
   # XLA prunes the arguments the step never reads: last step's lr, grad_norm, skipped.

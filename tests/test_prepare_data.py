@@ -305,7 +305,8 @@ def test_the_mix_describes_its_tokenizer_and_holds_out_every_nth_document(tmp_pa
     header = token_files.read_mix_header(str(out / 'c.txt'))
     assert header['tokenizer'] == {
         'name': 'embedded', 'file': str(out / 'c.tokenizer.json'), 'vocab_size': 8192,
-        'eos_token_id': tok.token_to_id('<|endoftext|>'), 'pad_token_id': tok.token_to_id('<|pad|>'),
+        'eos_token_id': tok.token_to_id('<|endoftext|>'),
+        'pad_token_id': tok.token_to_id('<|pad|>'),
         'bos_token_id': None}
     assert [os.path.basename(p) for p, _ in header['validation']] == summary['validation_files']
     paths, _, _ = token_files.read_mix(str(out / 'c.txt'), base_dir=str(out))

@@ -17,6 +17,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
+import batches  # noqa: E402
 import data  # noqa: E402
 import reproduce_olmo_core as repro  # noqa: E402
 from evaluation import compare  # noqa: E402
@@ -58,7 +59,7 @@ def test_loss_and_gradients_match_olmo_core_at_the_converted_init():
   cfg = repro.repro_config(repro.run_overrides(4, 1, SMALL))
   net = repro.olmo_core_model(cfg, init_seed=5)
   params = repro.olmo_core_to_params(net.state_dict(), cfg.model.num_layers)
-  batch = data.make_batch(_tokens(cfg, 4), eos_token_id=cfg.data.eos_token_id)
+  batch = batches.make_batch(_tokens(cfg, 4), eos_token_id=cfg.data.eos_token_id)
   labels = get_labels({'input_ids': torch.as_tensor(batch['tokens'], dtype=torch.long)})
   out = net(torch.as_tensor(batch['tokens'], dtype=torch.long), labels=labels,
             loss_reduction='sum', z_loss_multiplier=cfg.opt.z_loss,

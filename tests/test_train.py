@@ -32,6 +32,7 @@ import checkpoint
 import errors
 import sharding
 from configs import small
+import batches
 import data
 import model
 import optim
@@ -372,16 +373,16 @@ def test_grad_accumulation_matches_one_big_batch(token_files):
   state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh,
                                         jax.random.key(1))
   rng = np.random.default_rng(0)
-  batch = data.make_batch(rng.integers(0, VOCAB, (16, 64), dtype=np.int32), eos_token_id=0)
+  batch = batches.make_batch(rng.integers(0, VOCAB, (16, 64), dtype=np.int32), eos_token_id=0)
   batch['instance_mask'][5] = False  # a rejected instance: out of the sums, T in the count
   batch['labels'][3, 10:20] = -100
   rows = sharding.batch_sharding(mesh)
-  on_mesh = data.make_global_batch(batch, rows, np.arange(16), 16)
+  on_mesh = batches.make_global_batch(batch, rows, np.arange(16), 16)
 
   results = {}
   tx = optim.make_optimizer(cfg.opt)
   for micro in (8, 4, 2):
-    accum = data.grad_accum_steps(16, data.num_batch_shards(rows, 16, 64), micro)
+    accum = batches.grad_accum_steps(16, batches.num_batch_shards(rows, 16, 64), micro)
     step = jax.jit(train.make_train_step(cfg, tx, mesh, accum), out_shardings=(shardings, None))
     results[accum] = jax.device_get(step(state, on_mesh))
   assert sorted(results) == [1, 2, 4]
@@ -577,7 +578,7 @@ def test_divergence_stops_and_keeps_the_last_healthy_checkpoint(
   only steps 12 and 14: the healthy step 8 is gone.
   """
   proc = run_cli(resumable, token_files, f'--config.opt.lr={lr}', '--config.train.steps=14',
-                 '--config.train.keep_last=2', *flags)
+                 '--config.train.keep_last=2', '--config.train.rollback_attempts=0', *flags)
   assert proc.returncode == errors.EXIT_DIVERGED, proc.stderr[-3000:]
   message = [line for line in proc.stderr.splitlines() if line.startswith('DIVERGED: ')]
   assert len(message) == 1 and reason in message[0], proc.stderr[-3000:]

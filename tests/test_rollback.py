@@ -1,0 +1,304 @@
+"""Tests for automatic rollback (rollback.py, issue 28): a run that heals itself.
+
+The tiny model of tests/test_train.py trains on the embedded corpus folded
+into 250 ids; the token files are poisoned with two ids the corpus never
+holds, planted in chosen global batches. A wrapper around loss.sums (as
+tests/test_launch.py plants its NaN) makes a micro-batch whose labels hold
+NAN_ID score NaN (the step is skipped: an unhealthy checkpoint) and one with
+SPIKE_ID score 100x its CE (far past train.max_loss: the guard trips), with
+the gradient of the real loss, so the update is applied and the run is
+damaged. Batch 4 holds NAN_ID and batch 5 SPIKE_ID: step 5 is skipped and
+saved unhealthy, step 6 trips, the last healthy checkpoint is step 4, and
+with rollback_margin=1 the window is global batches [4, 7).
+
+The independent facts: a run told from its start to skip [4, 7)
+(train.skip_batches), which never reads a poisoned batch; the LR schedule
+itself; and data.Loader without skips.
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import checkpoint
+import data
+import errors
+import loss
+import optim
+import rollback
+from script_module import load_script
+import train
+from test_train import (assert_states_equal, committed, config_flags, host_state,
+                        read_metrics, tiny_config)
+from xla_flags import with_devices
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NAN_ID, SPIKE_ID = 254, 255
+STEPS = 10
+POISON = {4: NAN_ID, 5: SPIKE_ID}  # global batch -> the id planted in its first instance
+WINDOW = [4, 7]
+RUN = {'train.steps': STEPS, 'train.ckpt_every': 1, 'train.keep_last': 20,
+       'train.eval_every': 0, 'train.rollback_margin': 1}
+LR = {'train.rollback_lr_factor': 0.5, 'train.rollback_lr_steps': 2}
+
+POISON_CODE = f'''
+import jax
+import jax.numpy as jnp
+import loss
+_sums = loss.sums
+def poisoned_sums(h_BTD, w_DV, labels_BT, mask_B, **kw):
+  nan, spike = jnp.any(labels_BT == {NAN_ID}), jnp.any(labels_BT == {SPIKE_ID})
+  clean = jnp.where(labels_BT >= {NAN_ID}, loss.IGNORE_INDEX, labels_BT)
+  ce, z = _sums(h_BTD, w_DV, clean, mask_B, **kw)
+  # 100x the CE, with the gradient of 1x: a destructive step the guard sees.
+  ce = jnp.where(spike, ce + jax.lax.stop_gradient(99 * ce), ce)
+  return jnp.where(nan, jnp.nan, ce), z
+'''
+INSTALL_POISON = 'loss.sums = poisoned_sums\n'  # the children's; in-process: monkeypatch
+
+
+@pytest.fixture(scope='module')
+def poisoned_files(tmp_path_factory) -> tuple[str, str]:
+  """20 batches of 16 x 64 tokens (ids < 250), batches 4 and 5 poisoned; a validation file."""
+  tokens = np.fromfile(REPO / 'data' / 'shakespeare-train-00000.npy', '<u4', 64 * 16 * 22)
+  folded = (tokens % 250).astype(np.uint32)
+  root = tmp_path_factory.mktemp('poisoned')
+  paths = str(root / 'train.npy'), str(root / 'validation.npy')
+  train_tokens = folded[:64 * 16 * 20].copy()
+  np.save(paths[0], train_tokens)
+  ds = data.Dataset([paths[0]], seq_len=64, vocab_size=256, eos_token_id=0, pad_token_id=1)
+  header = os.path.getsize(paths[0]) - train_tokens.nbytes  # .npy header before the tokens
+  for batch, poison in POISON.items():
+    instance = int(data.global_batch_ids(ds, 34521, 1, batch, 16)[0])
+    train_tokens[instance * 64 + 5] = poison
+  np.save(paths[0], train_tokens)
+  assert os.path.getsize(paths[0]) - train_tokens.nbytes == header
+  np.save(paths[1], folded[64 * 16 * 20:])
+  return paths
+
+
+@pytest.fixture
+def poisoned_loss(monkeypatch):
+  namespace: dict = {}
+  exec(POISON_CODE, namespace)  # pylint: disable=exec-used  # the children run the same code
+  monkeypatch.setattr(loss, 'sums', namespace['poisoned_sums'])
+
+
+def run_config(files, **changes):
+  return tiny_config(files, **{**RUN, **changes})
+
+
+def read_log(workdir) -> list[dict]:
+  return [{k: v for k, v in e.items() if k != 'time'} for e in rollback.read_log(str(workdir))]
+
+
+# --- The skip map ----------------------------------------------------------------------
+
+
+def test_skips_map_steps_to_the_batches_outside_the_windows():
+  skips = data.Skips([(5, 6), (2, 4), (3, 5), (9, 10)])
+  assert skips.windows == [[2, 6], [9, 10]]  # overlapping and adjacent windows merge
+  outside = [b for b in range(20) if not any(a <= b < c for a, c in [(2, 6), (9, 10)])]
+  assert [skips.nth(k) for k in range(len(outside))] == outside
+  assert [skips.advance(b) for b in (0, 2, 5, 6, 9)] == [0, 6, 6, 6, 10]
+  assert skips.skipped_before(9) == 4 and skips.count_before(6) == 2
+
+
+def test_loader_passes_over_skips_and_a_resume_lands_where_the_steps_lead(poisoned_files):
+  """Against a loader without skips (the independent order): the same batches, less the
+  skipped ones, across an epoch end; a state saved at a window's start resumes past it."""
+  cfg = tiny_config(poisoned_files)
+  ds = data.Dataset.from_config(cfg.data)
+  n = data.batches_per_epoch(ds, 16)
+  skips = data.Skips([(4, 7), (n - 1, n + 2)])
+  with data.Loader(ds, seed=cfg.data.seed, global_batch_size=16, prefetch=1) as plain:
+    every = [next(plain)['tokens'] for _ in range(n + 6)]
+  wanted = [every[b] for b in range(n + 6) if skips.advance(b) == b]
+  with data.Loader(ds, seed=cfg.data.seed, global_batch_size=16, prefetch=1,
+                   skips=skips) as loader:
+    got = [next(loader)['tokens'] for _ in range(len(wanted))]
+    for k in range(len(wanted)):
+      assert np.array_equal(got[k], wanted[k]), k
+  # A checkpoint of 4 steps saved before the window existed is at batch 4: it resumes at 7.
+  state = {**loader.state(), 'epoch': 1, 'step': 4}
+  data.check_position(state, ds, 4, skips=skips)
+  with data.Loader.from_config(cfg.data, ds, state=state, step=4, skips=skips) as resumed:
+    assert (resumed.epoch, resumed.step) == (1, 7)
+    assert np.array_equal(next(resumed)['tokens'], every[7])
+  with pytest.raises(errors.DataError, match='skips global batches'):
+    data.check_position({**state, 'step': 7}, ds, 5, skips=skips)  # 5 steps lead to batch 8
+  data.check_position({**state, 'step': 7}, ds, 7)  # without skips, as before
+
+
+# --- Recovery ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def recovered(poisoned_files, tmp_path_factory):
+  """The uninterrupted recovery (LR x0.5 for 2 steps): (workdir, final host state)."""
+  workdir = tmp_path_factory.mktemp('recovered')
+  namespace: dict = {}
+  exec(POISON_CODE, namespace)  # pylint: disable=exec-used
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loss, 'sums', namespace['poisoned_sums'])
+    cfg = run_config(poisoned_files, **{'train.rollback_attempts': 3, **LR})
+    train.train(cfg, str(workdir))
+  return workdir, host_state(cfg, workdir, STEPS)
+
+
+def test_spike_recovers_bit_identical_to_a_run_told_to_skip(recovered, poisoned_files,
+                                                            poisoned_loss, tmp_path, capfd):
+  workdir, state = recovered
+  assert read_log(workdir) == [{
+      'attempt': 1, 'trigger_step': 6, 'restored_step': 4, 'skip': WINDOW,
+      'reason': read_log(workdir)[0]['reason'], 'lr_factor': 0.5, 'lr_steps': 2}]
+  assert 'the CE loss of step 6' in read_log(workdir)[0]['reason']
+  ckpts = workdir / 'checkpoints'
+  assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith('rolledback.')) == [
+      'rolledback.step_5.1']  # the NaN-skipped, unhealthy step 5 of before the rollback
+  assert committed(workdir) == list(range(1, STEPS + 1))
+  meta = checkpoint.read_metadata(str(ckpts), STEPS)
+  assert meta['data']['skips'] == [WINDOW] and len(meta['rollbacks']) == 1
+
+  clean = tmp_path / 'clean'
+  cfg = run_config(poisoned_files, **{'train.skip_batches': ((*WINDOW, 0.5, 2),)})
+  train.train(cfg, str(clean))
+  assert not (clean / rollback.LOG).exists()
+  assert_states_equal(state, host_state(cfg, clean, STEPS))
+
+  # The effective LR against the schedule (an independent fact), and the counters.
+  schedule = optim.lr_schedule(cfg.opt)
+  metrics = read_metrics(workdir)
+  assert sorted(metrics) == list(range(1, STEPS + 1))  # the rolled-back steps 5-6 replaced
+  for step in range(1, STEPS + 1):
+    factor = 0.5 if step in (5, 6) else 1.0
+    assert metrics[step]['optim/LR factor'] == factor
+    assert metrics[step]['optim/LR'] == pytest.approx(factor * float(schedule(step)), rel=1e-6)
+    assert metrics[step]['train/rollbacks'] == (1.0 if step > 4 else 0.0)
+    assert metrics[step]['data/skipped batches'] == (3.0 if step > 4 else 0.0)
+  assert read_metrics(clean)[5]['optim/LR'] == metrics[5]['optim/LR']
+
+
+def test_recovery_off_stops_as_before(poisoned_files, poisoned_loss, tmp_path, capfd):
+  cfg = run_config(poisoned_files, **{'train.rollback_attempts': 0})  # the one switch
+  with pytest.raises(SystemExit) as stop:
+    train.train(cfg, str(tmp_path))
+  assert stop.value.code == errors.EXIT_DIVERGED
+  message = [l for l in capfd.readouterr().err.splitlines() if l.startswith('DIVERGED: ')]
+  assert len(message) == 1 and 'Stopped at step 6' in message[0]
+  assert 'The last healthy checkpoint is step 4' in message[0] and 'Rollback' not in message[0]
+  assert not (tmp_path / rollback.LOG).exists()
+  assert committed(tmp_path) == [1, 2, 3, 4, 5, 6]
+  assert checkpoint.latest_healthy_step(str(tmp_path / 'checkpoints')) == 4
+
+
+def test_attempts_exhausted_stop_naming_the_skipped_windows(poisoned_files, poisoned_loss,
+                                                            tmp_path, capfd, monkeypatch):
+  """One attempt allowed, and the batch right after the window spikes too (batch 7 is
+  planted by treating its first instance's label like SPIKE_ID)."""
+  ds = data.Dataset.from_config(run_config(poisoned_files).data)
+  marked = int(data.global_batch_ids(ds, 34521, 1, 7, 16)[0])
+  read = data.Dataset.read
+
+  def read_with_spike(self, ids):
+    tokens = read(self, ids)
+    tokens[np.asarray(ids).reshape(-1) == marked, 5] = SPIKE_ID
+    return tokens
+  monkeypatch.setattr(data.Dataset, 'read', read_with_spike)
+  cfg = run_config(poisoned_files, **{'train.rollback_attempts': 1})
+  with pytest.raises(SystemExit) as stop:
+    train.train(cfg, str(tmp_path))
+  assert stop.value.code == errors.EXIT_DIVERGED
+  err = capfd.readouterr().err
+  assert 'ROLLBACK 1/1' in err
+  message = [l for l in err.splitlines() if l.startswith('DIVERGED: ')]
+  assert len(message) == 1 and 'Stopped at step 5' in message[0]
+  assert 'all 1 attempts of train.rollback_attempts were made' in message[0]
+  assert f'[{WINDOW[0]}, {WINDOW[1]}) (attempt 1: trip at step 6, restored step 4)' in message[0]
+  assert 'scripts/inspect_batch.py' in message[0] and f'--batch={WINDOW[0]}' in message[0]
+  assert checkpoint.latest_healthy_step(str(tmp_path / 'checkpoints')) == 4
+  assert len(read_log(tmp_path)) == 1
+
+
+# --- SIGKILL during a recovery ----------------------------------------------------------
+
+
+def child(workdir, files, kill_at: str | None) -> tuple[list[str], dict[str, str]]:
+  """train.py's CLI with the poison, SIGKILLing itself after rollback phase `kill_at`."""
+  script = (f'import os, signal, sys\nsys.path.insert(0, {str(REPO)!r})\n' + POISON_CODE +
+            INSTALL_POISON +
+            'import rollback, train\n'
+            'done = rollback.phase_done\n'
+            'def hooked(phase, attempt):\n'
+            '  done(phase, attempt)\n'
+            '  if phase == os.environ.get("KILL_AT"):\n'
+            '    os.kill(os.getpid(), signal.SIGKILL)\n'
+            'rollback.phase_done = hooked\n'
+            'train.run()\n')
+  flags = [f'--config.{k}={v}' for k, v in {**RUN, **LR, 'train.rollback_attempts': 3}.items()]
+  argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0',
+          *config_flags(files), *flags]
+  env = dict(os.environ, XLA_FLAGS=with_devices(8))
+  env.pop('KILL_AT', None)
+  if kill_at:
+    env['KILL_AT'] = kill_at
+  return argv, env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('phase', ['decided', 'logged', 'set aside', 'restored'])
+def test_sigkill_in_each_phase_then_rerun_is_bit_identical(recovered, poisoned_files, tmp_path,
+                                                           phase):
+  workdir = tmp_path / 'run'
+  argv, env = child(workdir, poisoned_files, phase)
+  killed = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  assert len(read_log(workdir)) == (0 if phase == 'decided' else 1)
+  argv, env = child(workdir, poisoned_files, None)  # the same command
+  rerun = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert read_log(workdir) == read_log(recovered[0])
+  cfg = run_config(poisoned_files)
+  assert_states_equal(host_state(cfg, workdir, STEPS), recovered[1])
+  assert not any(n.startswith('step_') and int(n[5:]) > STEPS
+                 for n in os.listdir(workdir / 'checkpoints'))
+
+
+# --- Batch forensics --------------------------------------------------------------------
+
+
+def test_inspect_batch_shows_what_each_rank_read(recovered, poisoned_files):
+  """Step 5 after the rollback read global batch 7: the script's tokens per OLMo-core rank
+  are the loader's rows on each of the 8 devices, and batch 5 shows the planted spike."""
+  workdir, _ = recovered
+  inspect = load_script('inspect_batch')
+  cfg = run_config(poisoned_files, **{'train.rollback_attempts': 3})
+  import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(cfg.train)
+  ds = data.Dataset.from_config(cfg.data)
+  skips = rollback.run_skips(cfg.train, str(workdir))
+  with data.Loader(ds, seed=cfg.data.seed, global_batch_size=16, prefetch=1, skips=skips,
+                   sharding=sharding.batch_sharding(mesh)) as loader:
+    for _ in range(5):
+      batch = next(loader)
+  assert loader.last_position == (1, 7)
+  shards = sorted(batch['tokens'].addressable_shards, key=lambda s: s.index[0].start or 0)
+  W = len(shards)
+  for rank, shard in enumerate(shards):
+    report = inspect.describe(run_config(poisoned_files), step=5, rank=rank, num_ranks=W,
+                              workdir=str(workdir))
+    assert report['global_batch'] == 7 and not report['skipped']
+    assert [r['rank'] for r in report['instances']] == [rank] * (16 // W)
+    assert np.array_equal(np.array([r['tokens'] for r in report['instances']]),
+                          np.asarray(shard.data))
+  spike = inspect.describe(run_config(poisoned_files), batch=5, workdir=str(workdir),
+                           checkpoint_dir=str(workdir / 'checkpoints'), checkpoint_step=4)
+  assert spike['skipped'] and SPIKE_ID in spike['instances'][0]['tokens']
+  first = spike['instances'][0]
+  assert first['token_offset'] == first['instance_id'] * 64 and first['documents'][0][0] == 0
+  assert all(np.isfinite(r['loss']) for r in spike['instances'])
