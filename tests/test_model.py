@@ -248,3 +248,15 @@ def test_bad_config_is_named():
     model.validate(_tiny_cfg(num_layers=6))
   with pytest.raises(ValueError, match='remat'):
     model.validate(_tiny_cfg(remat='sometimes'))
+
+
+def test_importing_the_model_changes_no_environment():
+  """No import-time side effects: XLA's CPU flags are the entry points' to set
+  (kernels.xla.set_cpu_flags), not a consequence of `import model`."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('import os, jax; before = dict(os.environ); import model, train, data, eval, plan; '
+          'assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr[-2000:]
