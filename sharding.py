@@ -40,19 +40,22 @@ def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, 
   """
   context = cfg_train.mesh_context
   if context < 1:
-    raise errors.ConfigError(f'train.mesh_context={context} must be an integer >= 1 (1: no context '
-                     'parallelism); set --config.train.mesh_context.')
+    raise errors.ConfigError(f'train.mesh_context={context} must be an integer >= 1 (1: no '
+                             'context parallelism); set --config.train.mesh_context.')
   shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, context, cfg_train.mesh_tensor]
   known = int(np.prod([s for s in shape if s != -1]))
   if shape.count(-1) > 1 or devices % known:
-    raise errors.ConfigError(f'mesh (data={shape[0]}, fsdp={shape[1]}, context={shape[2]}, '
-                     f'tensor={shape[3]}) does not fit '
-                     f'{devices} devices; set train.mesh_* so their product is the device count '
-                     '(one of them may be -1).')
+    needs = (f'it needs a multiple of {known} devices' if shape.count(-1) <= 1 else
+             'at most one of them may be -1')
+    raise errors.ConfigError(
+        f'mesh (data={shape[0]}, fsdp={shape[1]}, context={shape[2]}, tensor={shape[3]}) does '
+        f'not fit {devices} devices: {needs}. Run on such a device count, or set train.mesh_* '
+        'so their product is the device count (one of them may be -1).')
   shape = [devices // known if s == -1 else s for s in shape]
   if int(np.prod(shape)) != devices:
-    raise errors.ConfigError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices} devices; '
-                     'set one of train.mesh_* to -1 to let it follow the device count.')
+    raise errors.ConfigError(f'mesh {shape} has {int(np.prod(shape))} slots for {devices} '
+                             'devices; set one of train.mesh_* to -1 to let it follow the '
+                             'device count.')
   return {axis: n for axis, n in zip(MESH_AXES, shape) if axis != 'context' or n > 1}
 
 

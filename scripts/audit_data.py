@@ -47,6 +47,10 @@ Exit code 1 when an instance id repeats, identical instances exist, or the
 loader's position disagrees with the step count; the report (also --json)
 says where. A mistake (a missing file, a config that
 cannot run) is one `error:` line with errors.py's code (EXIT_DATA, EXIT_USAGE).
+
+Over 600 lines because it is two audits sharing one command line (the order
+through data.Loader, the content through on-disk hash buckets); neither is
+imported by the trainer.
 """
 
 import collections

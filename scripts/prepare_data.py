@@ -48,6 +48,10 @@ old mix file, move the new files over the final names, write the new mix file
 and then delete old token files (training and held-out) the new mix does not list. After
 a failure the old mix and its files are untouched; a crash inside that final
 swap leaves no mix file at all, never an old mix listing new bytes.
+
+Over 600 lines because it is one pipeline (read, tokenize in workers, stage,
+publish atomically) whose parts only make sense together; the trainer imports
+none of it.
 """
 
 import glob

@@ -42,6 +42,10 @@ The criterion (`judge`), for a run x against the ensemble E:
 Finished runs are reused (keyed by their config); a stale run is redone.
 
 Shapes: B batch, T time, V vocab, D d_model, L layers, R runs, S steps.
+
+One script of ~800 lines, on purpose: the whole experiment (OLMo-core's side,
+ours, the noise ensemble and the judgement) reads as one program, and nothing
+in it is imported by the trainer.
 """
 
 import concurrent.futures

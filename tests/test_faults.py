@@ -94,7 +94,8 @@ def test_stage3_checks_init_from_then_the_devices_before_any_packing(tmp_path, m
                       config='configs/long_context_small.py')
   refused(missing, errors.EXIT_USAGE, 'train.init_from')
   few = train_cli(tmp_path / 'w', config='configs/long_context_small.py')  # context 4, 1 device
-  refused(few, errors.EXIT_USAGE, 'context=4', 'does not fit 1 devices')
+  refused(few, errors.EXIT_USAGE, 'context=4', 'does not fit 1 devices',
+          'it needs a multiple of 4 devices')
   assert not (tmp_path / 'w').exists()
 
 
