@@ -199,8 +199,8 @@ class Loader:
     else:
       tokens_BT, padding = self.ds.read(ids), {}
     batch = batches.make_batch(tokens_BT, eos_token_id=self.ds.eos_token_id,
-                       repetition_filter=self.repetition_filter,
-                       document_masking=self.document_masking, **padding)
+                               repetition_filter=self.repetition_filter,
+                               document_masking=self.document_masking, **padding)
     if self.sharding is not None:
       batch = batches.make_global_batch(batch, self.sharding, self.rows, self.global_batch_size)
     return batch
@@ -288,7 +288,7 @@ def validation_batches(ds: Dataset, batch_size: int, num_batches: int, *,
     raise DataError(f'the validation set has {ds.num_instances} instances of length {ds.seq_len}, '
                     f'fewer than one batch of {batch_size}.')
   return [batches.make_batch(ds.read(np.arange(b * batch_size, (b + 1) * batch_size)),
-                     eos_token_id=ds.eos_token_id, document_masking=document_masking)
+                             eos_token_id=ds.eos_token_id, document_masking=document_masking)
           for b in range(n)]
 
 

@@ -133,7 +133,7 @@ class Reader:
     try:  # torch reads the blob straight from the file: no bytes copy beside the tensor
       with open(os.path.join(self.directory, info.relative_path), 'rb') as f:
         return torch_module().load(_Window(f, info.offset, info.length), map_location='cpu',
-                             weights_only=True)
+                                   weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
       raise OlmoCoreCheckpointError(f'{self.directory}/{info.relative_path}: {fqn} is '
                                     f'damaged ({e}); download the file again.') from e

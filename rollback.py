@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils
 import ml_collections
 
 import checkpoint
+import chunk_store
 import data
 import health
 import metrics
@@ -80,15 +81,7 @@ def _append_durable(workdir: str, entry: dict[str, Any]) -> None:
     f.write(json.dumps(entry) + '\n')
     f.flush()
     os.fsync(f.fileno())
-  _fsync_dir(workdir)
-
-
-def _fsync_dir(directory: str) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+  chunk_store.fsync_dir(workdir, fsync=True)
 
 
 def _barrier(name: str) -> None:
@@ -175,7 +168,7 @@ class Recovery:
                   os.path.join(directory, f'rolledback.{name}.{attempt}'))
         moved = True
     if moved:
-      _fsync_dir(directory)
+      chunk_store.fsync_dir(directory, fsync=True)
 
   def windows_text(self) -> str:
     lines = [f'[{e["skip"][0]}, {e["skip"][1]}) (attempt {e["attempt"]}: trip at step '

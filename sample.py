@@ -58,5 +58,5 @@ def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: i
   ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths) or None)
   prompt = ds.read([0])[0, :prompt_tokens].tolist()
   ids = generate(cfg.model, params, prompt, length, vocab_size=cfg.data.vocab_size,
-                        max_len=cfg.data.seq_len)
+                 max_len=cfg.data.seq_len)
   print('--- sample ---\n' + tok.decode(ids) + '\n--------------', flush=True)

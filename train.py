@@ -264,8 +264,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   cache_dir = cfg.data.cache_dir or os.path.join(workdir, 'data_cache')
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
   accum = batches.grad_accum_steps(cfg.data.global_batch_size,
-                                int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
-                                cfg.train.micro_batch_size)
+                                   int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
+                                   cfg.train.micro_batch_size)
   impl, why = kernels.resolve(cfg.model, segments=data.wants_segments(cfg.data))
   logging.info('attention_impl=%s (%s).', impl, why)
   tx = optim.make_optimizer(cfg.opt)

@@ -74,7 +74,7 @@ class Ours:
                         out_shardings=(shardings, None))
     rows = sharding.batch_sharding(self.mesh)
     self.batch = batches.make_global_batch(batch, rows, np.arange(len(batch['tokens'])),
-                                        len(batch['tokens']))
+                                           len(batch['tokens']))
     start = time.perf_counter()
     self.run(1)
     self.first = time.perf_counter() - start  # compile + one step

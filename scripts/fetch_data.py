@@ -230,7 +230,7 @@ def main(argv):
                'Fix --base_url (or the mix), or pass --skip_missing to leave them out (the '
                "data order then differs from Ai2's). Nothing was downloaded.")
     local = FLAGS.local_mix or os.path.join(FLAGS.output_dir,
-                                             os.path.basename(mix_file(FLAGS.mix)))
+                                            os.path.basename(mix_file(FLAGS.mix)))
     if os.path.abspath(local) == os.path.abspath(mix_file(FLAGS.mix)):
       raise ValueError(f'the local mix {local} would overwrite --mix; pass --local_mix=OTHER.txt.')
     keep = [(l, p, u, s) for (l, p), u, s in zip(files, urls, found)

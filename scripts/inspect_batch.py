@@ -64,7 +64,7 @@ def describe(cfg, *, step: int | None = None, batch: int | None = None, rank: in
   else:
     tokens, real = ds.read(ids[positions]), None
   batch_dict = batches.make_batch(tokens, eos_token_id=ds.eos_token_id, document_masking=True,
-                               real_B=real, bos_token_id=getattr(ds, 'bos_token_id', None))
+                                  real_B=real, bos_token_id=getattr(ds, 'bos_token_id', None))
   losses = (instance_losses(cfg, batch_dict, checkpoint_dir, checkpoint_step)
             if checkpoint_dir else None)
   decode = _decoder(cfg.data.tokenizer)

@@ -246,7 +246,7 @@ def test_repetition_filter_matches_olmo_core():
       start = int(rng.integers(0, x.size))
       x[start:start + run.size] = run[:x.size - start]
     rf = batches.RepetitionFilter(int(rng.integers(1, 16)), int(rng.integers(1, 4)),
-                               int(rng.integers(1, 40)))
+                                  int(rng.integers(1, 40)))
     cases.append((x, rf))
   for p in (1, 2, 7, 13, 14):  # the 7B settings, right at the 32-repeat threshold
     for count in (31, 32, 33):

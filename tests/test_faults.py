@@ -41,10 +41,9 @@ def mix(tmp_path_factory) -> pathlib.Path:
   words = ['thou', 'art', 'the', 'king', 'and', 'I', 'shall', 'speak', 'of', 'love', 'night']
   docs = [' '.join(rng.choice(words, 150)) for _ in range(120)]
   (root / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
-  prepare_data.prepare([str(root / 'in.jsonl')], Tokenizer.from_file(str(REPO / 'data' /
-                                                                      'tokenizer.json')),
-                       output_dir=str(root / 'tokens'), prefix='corpus', validation_every=100,
-                       progress=False)
+  tokenizer = Tokenizer.from_file(str(REPO / 'data' / 'tokenizer.json'))
+  prepare_data.prepare([str(root / 'in.jsonl')], tokenizer, output_dir=str(root / 'tokens'),
+                       prefix='corpus', validation_every=100, progress=False)
   return root / 'tokens' / 'corpus.txt'
 
 
