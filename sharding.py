@@ -107,6 +107,12 @@ def state_shardings(abstract: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
+def placed(abstract: Any, mesh: Mesh | AbstractMesh) -> Any:
+  """The train state's ShapeDtypeStructs with their shardings on `mesh` (state_shardings)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, state_shardings(abstract, mesh))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
@@ -140,9 +146,7 @@ def state_bytes(abstract: Any, shape: dict[str, int]) -> tuple[int, int]:
   Every device holds one equally shaped shard of each leaf (fit_spec keeps only
   axes that divide), so the shard shape is the per-device footprint.
   """
-  mesh = AbstractMesh(tuple(shape.values()), tuple(shape))
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          abstract, state_shardings(abstract, mesh))
+  abstract = placed(abstract, AbstractMesh(tuple(shape.values()), tuple(shape)))
   per_device = lambda tree: sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                                 for x in jax.tree.leaves(tree))
   return per_device(abstract.params), per_device(abstract.opt_state)

@@ -77,8 +77,7 @@ def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = 
   abstract = jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0))
   if mesh is None:
     return abstract
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      abstract, sharding.state_shardings(abstract, mesh))
+  return sharding.placed(abstract, mesh)
 
 
 def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.Array
