@@ -10,10 +10,13 @@ One directory per step:
                     '/' (with use_ocdbt: one OCDBT database in ocdbt/ instead)
     COMMIT          written last; a step directory without it is incomplete
 
-A save writes into <directory>/tmp.step_<N>.<nonce>/; process 0 then renames it
-to step_<N> and writes COMMIT. A crash at any point leaves earlier steps intact,
-and the next Checkpointer (or its save or restore) removes tmp.* directories;
-a step_<N> that lost only its COMMIT is re-committed if it verifies in full
+On a filesystem a save writes into <directory>/tmp.step_<N>.<nonce>/; process 0
+then renames it to step_<N> and writes COMMIT. In a gs:// or s3:// bucket (no
+rename; storage.py) it writes straight under step_<N>/ and COMMIT, written last
+by process 0 after every process has written and metadata.json is in place, is
+the commit. A crash at any point leaves earlier steps intact, and the next
+Checkpointer (or its save or restore) removes tmp.* directories; a step_<N>
+without COMMIT is re-committed if it verifies in full and removed otherwise
 (step_dirs.tidy). WorkdirLock (workdir_lock.py) keeps a second run out of the same
 workdir, whose in-flight save would otherwise look like such leftovers.
 
@@ -43,12 +46,6 @@ from typing import Any
 
 from absl import logging
 import jax
-# For the coordination service's key-value store (_Sync). jax 0.10.2 has no public
-# accessor for its client: jax.distributed offers only initialize, is_initialized and
-# shutdown, and jax.experimental.multihost_utils only device collectives, which would
-# race the train step's own collectives from the save thread. orbax and jax's own
-# array_serialization read the client here too.
-from jax._src import distributed as jax_distributed
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
@@ -56,7 +53,9 @@ import tensorstore as ts
 import chunk_store
 from chunk_store import (CHECKSUM, FORMAT_VERSION, METADATA, Box, CheckpointReadError,
                          CorruptCheckpointError)
+from host_sync import Sync
 import step_dirs
+import storage
 from step_dirs import COMMIT, committed_steps, latest_healthy_step, latest_step, read_metadata
 from workdir_lock import LOCK, WorkdirLock, WorkdirLockedError
 
@@ -67,7 +66,6 @@ __all__ = ['Checkpointer', 'restore', 'restore_latest_good', 'read_metadata', 'r
            'CheckpointSaveError', 'COMMIT', 'METADATA', 'LOCK', 'CHECKSUM', 'FORMAT_VERSION']
 
 _KEY_RE = re.compile(r'^[A-Za-z0-9_.\-]+$')
-_TIMEOUT_MS = 30 * 60 * 1000  # cross-process waits: a slow writer, not a hang
 _OP_IDS = itertools.count()  # same sequence on every process (SPMD call order)
 
 
@@ -103,44 +101,6 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
   return names, [leaf for _, leaf in pairs], treedef
 
 
-class _Sync:
-  """Host-side agreement between processes through jax.distributed's KV store.
-
-  Device collectives (multihost_utils.sync_global_devices) would run on the
-  save thread concurrently with the train step's own collectives and can
-  deadlock; the coordination service's key-value store is host-only and
-  thread-safe (orbax's multihost utilities use it the same way). All keys are
-  unique per operation, so a slow process can never read a stale value.
-  """
-
-  def __init__(self):
-    self.index = jax.process_index()
-    self.count = jax.process_count()
-    self.client = None
-    if self.count > 1:
-      self.client = jax_distributed.global_state.client  # see the import
-      if self.client is None:
-        raise RuntimeError('Multi-process checkpointing needs '
-                           'jax.distributed.initialize() to have been called.')
-
-  def gather(self, key: str, value: str) -> list[str]:
-    """Every process's `value`, in process order; returns once all have sent."""
-    if self.client is None:
-      return [value]
-    self.client.key_value_set(f'{key}/{self.index}', value)
-    return [self.client.blocking_key_value_get(f'{key}/{i}', _TIMEOUT_MS)
-            for i in range(self.count)]
-
-  def broadcast(self, key: str, value: str) -> str:
-    """Process 0's `value`, on every process."""
-    if self.client is None:
-      return value
-    if self.index == 0:
-      self.client.key_value_set(key, value)
-      return value
-    return self.client.blocking_key_value_get(key, _TIMEOUT_MS)
-
-
 class Checkpointer:
   """Saves (asynchronously, atomically) and restores train states in `directory`.
 
@@ -164,29 +124,36 @@ class Checkpointer:
                        'checkpoint is never deleted).')
     if keep_every < 0:
       raise ValueError(f'keep_every={keep_every}: must be >= 0 (0 = none).')
-    self.directory = os.path.abspath(directory)
+    self.directory = storage.absolute(storage.check(directory, 'checkpoint directory'))
     self.keep_last, self.keep_every = keep_last, keep_every
     self.use_ocdbt, self.chunk_bytes, self.fsync = use_ocdbt, chunk_bytes, fsync
-    self._sync = _Sync()
+    self._sync = Sync()
     if use_ocdbt and self._sync.count > 1:
       raise ValueError('use_ocdbt=True supports one process only (concurrent '
                        'OCDBT writers need a tensorstore coordinator); use the '
                        'default zarr3 files for multi-process runs.')
-    os.makedirs(self.directory, exist_ok=True)
+    storage.makedirs(self.directory)
     self._thread: threading.Thread | None = None
     self._error: tuple[int, BaseException] | None = None
     self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
     self._tidy()  # before the caller lists committed steps
 
   def latest_step(self) -> int | None:
-    return latest_step(self.directory)
+    steps = self.committed_steps()
+    return steps[-1] if steps else None
 
   def latest_healthy_step(self) -> int | None:
-    """Module latest_healthy_step() of this directory."""
-    return latest_healthy_step(self.directory)
+    """Module latest_healthy_step() of this directory, as process 0 finds it."""
+    key = f'olmo3_checkpoint/{next(_OP_IDS)}/healthy'
+    found = latest_healthy_step(self.directory) if self._sync.index == 0 else None
+    return json.loads(self._sync.broadcast(key, json.dumps(found)))
 
   def committed_steps(self) -> list[int]:
-    return committed_steps(self.directory)
+    """The committed steps as process 0 lists them, on every process: all processes
+    decide the same (a host that lists another disk must not choose another step)."""
+    key = f'olmo3_checkpoint/{next(_OP_IDS)}/steps'
+    steps = committed_steps(self.directory) if self._sync.index == 0 else []
+    return json.loads(self._sync.broadcast(key, json.dumps(steps)))
 
   def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None, *,
            healthy: bool = True) -> None:
@@ -214,7 +181,7 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise ValueError(f'Checkpoint metadata must be JSON-serializable: {e}') from e
     self._tidy()  # first: it may re-commit this very step
-    if os.path.exists(os.path.join(step_dirs.step_dir(self.directory, step), COMMIT)):
+    if step in self.committed_steps():
       logging.warning('Checkpoint step %d already committed in %s; not saving it again.',
                       step, self.directory)
       return
@@ -222,9 +189,8 @@ class Checkpointer:
     arrays = chunk_store.snapshot(names, leaves, self._sync.index, self.chunk_bytes)
     key = f'olmo3_checkpoint/{next(_OP_IDS)}'
     # Broadcast after the clean-up, so no process creates the new tmp dir early.
-    nonce = self._sync.broadcast(f'{key}/nonce', secrets.token_hex(4))
-    tmp = os.path.join(self.directory, f'tmp.step_{step}.{nonce}')
-    os.makedirs(tmp, exist_ok=True)
+    tmp = self._sync.broadcast(f'{key}/staging', step_dirs.staging(self.directory, step))
+    storage.makedirs(tmp)
     info = {'format_version': FORMAT_VERSION, 'step': step, 'metadata': metadata,
             'paths': names, 'tree': str(treedef), 'checksum': CHECKSUM,
             'use_ocdbt': self.use_ocdbt, 'process_count': self._sync.count,
@@ -261,14 +227,9 @@ class Checkpointer:
         info['arrays'] = chunk_store.verify_and_describe(
             tmp, arrays, [p['sums'] for p in parts], self.use_ocdbt)
         info['time'] = time.time()
-        chunk_store.write_durable(os.path.join(tmp, METADATA), chunk_store.sealed(info), self.fsync)
-        final = step_dirs.step_dir(self.directory, step)
-        os.rename(tmp, final)
-        chunk_store.fsync_dir(self.directory, self.fsync)
-        chunk_store.write_durable(os.path.join(final, COMMIT), '', self.fsync)
-        chunk_store.fsync_dir(final, self.fsync)
+        step_dirs.commit(self.directory, tmp, step, chunk_store.sealed(info), self.fsync)
       except BaseException as e:  # pylint: disable=broad-except
-        shutil.rmtree(tmp, ignore_errors=True)
+        step_dirs.discard(tmp)
         error = error or e
         outcome = f'{type(e).__name__}: {e}'
       if outcome == 'ok':
@@ -284,7 +245,7 @@ class Checkpointer:
       raise IOError(f'Process 0 did not commit step {step}: {outcome}')
 
   def _apply_retention(self) -> None:
-    steps = committed_steps(self.directory)
+    steps = committed_steps(self.directory)  # process 0 only
     keep = set(steps[-self.keep_last:])
     if self.keep_every:
       keep |= {s for s in steps if s % self.keep_every == 0}
@@ -323,7 +284,15 @@ class Checkpointer:
               verify: bool = True) -> tuple[Any, dict[str, Any]]:
     """Module restore() of `step` (default: latest), after tidying (step_dirs.tidy)."""
     self._before_restore()
-    return restore(self.directory, target, step, verify=verify)
+    if step is None:
+      step = self.latest_step()  # process 0's, on every process
+      if step is None:
+        raise FileNotFoundError(f'No committed checkpoint in {self.directory}.')
+    key = f'olmo3_checkpoint/{next(_OP_IDS)}/restore'
+    result, corrupt = _restore_agreed(self._sync, key, self.directory, target, step, verify)
+    if corrupt:
+      raise CorruptCheckpointError(corrupt[0])
+    return result
 
   def restore_latest_good(self, target: Any,
                           verify: bool = True) -> tuple[Any, dict[str, Any]]:
@@ -377,13 +346,14 @@ def save_streamed(directory: str, step: int, arrays: list[tuple[str, tuple[int, 
   commit are Checkpointer.save's, so restore() reads the step like any other.
   A failure removes the temporary directory and leaves earlier steps intact.
   """
-  directory = os.path.abspath(directory)
-  os.makedirs(directory, exist_ok=True)
+  directory = storage.absolute(storage.check(directory, 'checkpoint directory'))
+  storage.makedirs(directory)
   step_dirs.tidy(directory, fsync)
   final = step_dirs.step_dir(directory, step)
-  if os.path.exists(final):
+  if storage.isdir(final):
     raise FileExistsError(f'{final} already exists; remove it or choose another directory.')
-  tmp = os.path.join(directory, f'tmp.step_{step}.{secrets.token_hex(4)}')
+  tmp = step_dirs.staging(directory, step)
+  storage.makedirs(tmp)
   pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
   try:
     written, sums = [], {}
@@ -403,13 +373,9 @@ def save_streamed(directory: str, step: int, arrays: list[tuple[str, tuple[int, 
             'process_count': 1, 'jax_version': jax.__version__, 'healthy': True,
             'arrays': chunk_store.verify_and_describe(tmp, written, [sums], False),
             'time': time.time()}
-    chunk_store.write_durable(os.path.join(tmp, METADATA), chunk_store.sealed(info), fsync)
-    os.rename(tmp, final)
-    chunk_store.fsync_dir(directory, fsync)
-    chunk_store.write_durable(os.path.join(final, COMMIT), '', fsync)
-    chunk_store.fsync_dir(final, fsync)
+    step_dirs.commit(directory, tmp, step, chunk_store.sealed(info), fsync)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    step_dirs.discard(tmp)
     raise
   finally:
     pool.shutdown()
@@ -558,35 +524,48 @@ def restore_latest_good(directory: str, target: Any,
   agree a checkpoint is intact, since each reads different chunks. A mismatch
   with `target` is a config error and is raised, not skipped.
   """
-  directory = os.path.abspath(directory)
-  sync = _Sync()
+  directory = storage.absolute(directory)
+  sync = Sync()
   key = f'olmo3_checkpoint/{next(_OP_IDS)}'
-  steps = json.loads(sync.broadcast(f'{key}/steps', json.dumps(committed_steps(directory))))
+  steps = committed_steps(directory) if sync.index == 0 else []  # process 0 decides
+  steps = json.loads(sync.broadcast(f'{key}/steps', json.dumps(steps)))
   if not steps:
     raise FileNotFoundError(f'No committed checkpoint in {directory}.')
   failures = []
   for step in reversed(steps):
-    result, error, report = None, None, ''
-    try:
-      result = restore(directory, target, step, verify=verify)
-    except (CorruptCheckpointError, CheckpointReadError) as e:
-      error = e
-      report = json.dumps([isinstance(e, CheckpointReadError), str(e)])
-    reports = [json.loads(r) for r in sync.gather(f'{key}/{step}', report) if r]
-    unreadable = [message for is_read_error, message in reports if is_read_error]
-    if unreadable:  # the storage, not the checkpoint: stop and move nothing
-      if isinstance(error, CheckpointReadError):
-        raise error
-      raise CheckpointReadError(f'Another process could not read step {step}: {unreadable[0]}')
+    result, reports = _restore_agreed(sync, f'{key}/{step}', directory, target, step, verify)
     if not reports:
       return result
-    failures.append(f'step {step}: {reports[0][1]}')
+    failures.append(f'step {step}: {reports[0]}')
     logging.warning('Checkpoint step %d in %s is corrupt (%s); falling back to the '
-                    'previous committed checkpoint.', step, directory, reports[0][1])
+                    'previous committed checkpoint.', step, directory, reports[0])
     if sync.index == 0:
-      os.rename(step_dirs.step_dir(directory, step), os.path.join(
-          directory, f'corrupt.step_{step}.{secrets.token_hex(4)}'))
+      step_dirs.set_aside(directory, f'step_{step}', f'corrupt.step_{step}.{secrets.token_hex(4)}')
   raise CorruptCheckpointError(
       f'No intact checkpoint in {directory}: ' + '; '.join(failures) + '. Each was moved '
       'to corrupt.step_<N>.*. Put an intact copy back as step_<N> (with its COMMIT) to '
       'resume, or delete the corrupt.step_* directories to start the run afresh.')
+
+
+def _restore_agreed(sync: Sync, key: str, directory: str, target: Any, step: int,
+                    verify: bool) -> tuple[Any, list[str]]:
+  """(state, []) when every process restored `step`; (None, messages) when some found it
+  corrupt. Anything else any process met (the storage refusing a read, a missing file
+  on one host, a mismatch) is raised on every process, so none is left waiting in a
+  collective for a peer that failed."""
+  result, error, report = None, None, ''
+  try:
+    result = restore(directory, target, step, verify=verify)
+  except Exception as e:  # pylint: disable=broad-except  # reported to every process below
+    error = e
+    kind = 'corrupt' if isinstance(e, CorruptCheckpointError) else 'other'
+    report = json.dumps([kind, f'{e}' if sync.count == 1 else f'process {sync.index}: {e}'])
+  reports = [json.loads(r) for r in sync.gather(key, report) if r]
+  fatal = [message for kind, message in reports if kind != 'corrupt']
+  if fatal:
+    if error is not None and not isinstance(error, CorruptCheckpointError):
+      raise error
+    raise CheckpointReadError(f'Another process could not restore step {step} of {directory}: '
+                              f'{fatal[0]}. Nothing was moved; fix that host\'s access to the '
+                              'checkpoint and rerun the same command.')
+  return result, [message for _, message in reports]

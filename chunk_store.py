@@ -37,6 +37,8 @@ import numpy as np
 import tensorstore as ts
 import xxhash
 
+import storage
+
 FORMAT_VERSION = 1
 # xxh3-64 hashes ~30 GB/s on one core of the dev machine (google-crc32c 13,
 # zlib.crc32 3.3, memcpy 9), so verifying never bounds save or restore speed;
@@ -93,6 +95,10 @@ def tensorstore_failure(file: str, what: str, checkpoint_dir: str,
 
 
 def write_durable(path: str, text: str, fsync: bool) -> None:
+  """Writes a small file whole (a step's metadata.json or COMMIT), on disk or in a bucket."""
+  if storage.is_url(path):
+    storage.write(path, text.encode())
+    return
   with open(path, 'w') as f:
     f.write(text)
     f.flush()
@@ -100,13 +106,7 @@ def write_durable(path: str, text: str, fsync: bool) -> None:
       os.fsync(f.fileno())
 
 
-def fsync_dir(path: str, fsync: bool) -> None:
-  if fsync:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+fsync_dir = storage.fsync_dir
 
 
 # --- Chunks -----------------------------------------------------------------------------
@@ -159,13 +159,21 @@ def checksum(a: np.ndarray) -> str:
   return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _kvstore(location: str, fsync: bool) -> dict[str, Any]:
+  kvstore = storage.kvstore_spec(location + '/')
+  if kvstore['driver'] == 'file':
+    kvstore['file_io_sync'] = fsync
+  else:  # a bucket's writes share storage.context()'s retries and concurrency bound
+    kvstore['context'] = storage.context().spec.to_json()
+  return kvstore
+
+
 def spec(root: str, name: str, use_ocdbt: bool, fsync: bool = True) -> dict[str, Any]:
   if use_ocdbt:
-    base = {'driver': 'file', 'path': f'{root}/ocdbt/', 'file_io_sync': fsync}
-    kvstore = {'driver': 'ocdbt', 'base': base, 'path': f'{name}/'}
+    kvstore = {'driver': 'ocdbt', 'base': _kvstore(storage.join(root, 'ocdbt'), fsync),
+               'path': f'{name}/'}
   else:
-    kvstore = {'driver': 'file', 'path': os.path.join(root, 'arrays', name),
-               'file_io_sync': fsync}
+    kvstore = _kvstore(storage.join(root, 'arrays', name), fsync)
   # Every chunk gets a file (even all-zero ones) and a missing file is a read
   # error, not silent zeros: a lost chunk must never look like a fresh state.
   return {'driver': 'zarr3', 'kvstore': kvstore,
@@ -299,14 +307,15 @@ def sealed(info: dict[str, Any]) -> str:
 
 def read_info(path: str) -> dict[str, Any]:
   """A step directory's metadata.json, verified against its own checksum."""
-  file = os.path.join(path, METADATA)
+  file = storage.join(path, METADATA)
   try:
-    with open(file, 'rb') as f:
-      text = f.read()
-  except (FileNotFoundError, IsADirectoryError) as e:
+    text = storage.read(file)
+  except IsADirectoryError as e:
     raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} is missing: {e}') from e
   except OSError as e:
     raise read_error(file, path, e) from e
+  if text is None:
+    raise CorruptCheckpointError(f'Checkpoint {path}: {METADATA} is missing.')
   try:
     info = json.loads(text)
   except ValueError as e:  # bad JSON, or bytes that are not UTF-8
@@ -338,8 +347,8 @@ def read_info(path: str) -> dict[str, Any]:
 def _array_file(path: str, name: str, use_ocdbt: bool, key: str = 'zarr.json') -> str:
   """The file holding `key` of array `name` (with OCDBT: the database holding it)."""
   if use_ocdbt:
-    return os.path.join(path, 'ocdbt')
-  return os.path.join(path, 'arrays', name, key)
+    return storage.join(path, 'ocdbt')
+  return storage.join(path, 'arrays', name, key)
 
 
 def opened(path: str, name: str, desc: Any, use_ocdbt: bool, future: Any) -> Any:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from absl import logging
 
@@ -61,31 +61,44 @@ def report(message: str, code: int) -> NoReturn:
 
 
 @contextlib.contextmanager
-def one_line(log_file: str | None = None, also: tuple[type[BaseException], ...] = ()):
+def one_line(log_file: str | None = None, also: tuple[type[BaseException], ...] = (),
+             append: Callable[[str, str], None] | None = None,
+             restartable: tuple[type[BaseException], ...] = ()):
   """Turns a UserError (and the `also` types, as EXIT_USAGE) into one line and an exit code.
 
-  The stack goes to `log_file` (appended, when given and writable) and to
+  The stack goes to `log_file` (appended, when given and writable, by `append`:
+  storage.append for a workdir that may be a bucket; a local file by default) and to
   absl's log at verbosity 1 (`-v 1`), not to the terminal: the message names
   the problem and the fix, and a traceback above it only hides it. Anything
-  else propagates as it is: a crash, with its traceback (EXIT_CRASH).
+  else propagates as it is: a crash, with its traceback (EXIT_CRASH), except the
+  `restartable` types (the storage failing: a rerun may succeed), which are one
+  line too, with EXIT_CRASH.
   """
   try:
     yield
   except UserError as e:
-    _log_stack(log_file)
+    _log_stack(log_file, append)
     report(str(e), e.exit_code)
   except also as e:  # pylint: disable=catching-non-exception  # () catches nothing
-    _log_stack(log_file)
+    _log_stack(log_file, append)
     report(str(e), EXIT_USAGE)
+  except restartable as e:  # pylint: disable=catching-non-exception
+    _log_stack(log_file, append)
+    report(str(e), EXIT_CRASH)
 
 
-def _log_stack(log_file: str | None) -> None:
+def _append_local(path: str, text: str) -> None:
+  with open(path, 'a') as f:
+    f.write(text)
+
+
+def _log_stack(log_file: str | None, append: Callable[[str, str], None] | None) -> None:
   stack = traceback.format_exc()
   logging.vlog(1, '%s', stack)
   if log_file:
     try:
-      with open(log_file, 'a') as f:
-        f.write(f'--- {time.strftime("%Y-%m-%d %H:%M:%S")} pid {os.getpid()}\n{stack}')
+      (append or _append_local)(
+          log_file, f'--- {time.strftime("%Y-%m-%d %H:%M:%S")} pid {os.getpid()}\n{stack}')
     except OSError:
       pass  # an unwritable workdir is often the error being reported
 

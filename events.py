@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+import storage
+
 # --- CRC-32C (Castagnoli), as TFRecord masks it ------------------------------------
 
 
@@ -127,33 +129,60 @@ class Writer:
 
   Names sort in the order the files were started (TensorBoard and
   read_scalars read them in name order): a second file started within the
-  same second gets the suffix .001, and so on.
+  same second gets the suffix .001, and so on. In a bucket (`logdir` a gs:// or
+  s3:// URL), where objects cannot be appended to, events are held in memory
+  and each flush() writes them as one more event file, which TensorBoard reads
+  after the earlier ones like a continuation.
   """
 
   def __init__(self, logdir: str):
+    self.logdir, self.remote = logdir, storage.is_url(logdir)
+    self._pending = bytearray()
+    if self.remote:
+      self._file = None
+      return
     os.makedirs(logdir, exist_ok=True)
-    path = os.path.join(logdir, f'events.out.tfevents.{int(time.time()):010d}.'
-                                f'{socket.gethostname()}')
-    self.path, n = path, 0
-    while os.path.exists(self.path):
-      n += 1
-      self.path = f'{path}.{n:03d}'
+    self.path = self._new_name()
     self._file = open(self.path, 'xb')
     self._file.write(record(_event(0, file_version=b'brain.Event:2')))
     self._file.flush()
 
+  def _new_name(self) -> str:
+    path = storage.join(self.logdir, f'events.out.tfevents.{int(time.time()):010d}.'
+                                     f'{socket.gethostname()}')
+    name, n = path, 0
+    while storage.exists(name):
+      n += 1
+      name = f'{path}.{n:03d}'
+    return name
+
+  def _add(self, event: bytes) -> None:
+    if self.remote:
+      self._pending += record(event)
+    else:
+      self._file.write(record(event))
+      self._file.flush()
+
   def summary(self, step: int, values: list[bytes]) -> None:
     """One Event holding `values` (from scalar_value / text_value), flushed to disk."""
-    self._file.write(record(_event(step, summary=b''.join(_bytes_field(1, v) for v in values))))
-    self._file.flush()
+    self._add(_event(step, summary=b''.join(_bytes_field(1, v) for v in values)))
 
   def start_session(self, step: int) -> None:
     """SessionLog START at `step`: TensorBoard drops earlier-written events at steps >= it."""
-    self._file.write(record(_event(step, session_log=_int_field(1, 1))))
-    self._file.flush()
+    self._add(_event(step, session_log=_int_field(1, 1)))
+
+  def flush(self) -> None:
+    """In a bucket: writes the events held since the last flush as one event file."""
+    if self.remote and self._pending:
+      storage.write(self._new_name(),
+                    record(_event(0, file_version=b'brain.Event:2')) + bytes(self._pending))
+      self._pending = bytearray()
 
   def close(self) -> None:
-    self._file.close()
+    if self.remote:
+      self.flush()
+    else:
+      self._file.close()
 
 
 # --- Reading scalars back ----------------------------------------------------------
@@ -216,8 +245,9 @@ def read_file(path: str):
   Raises ValueError naming the file on a damaged record; a record cut short at
   the end (the writer was killed mid-write) ends the file quietly.
   """
-  with open(path, 'rb') as f:
-    buf = f.read()
+  buf = storage.read(path)
+  if buf is None:
+    raise FileNotFoundError(f'{path}: no such event file.')
   pos = 0
   while pos + 12 <= len(buf):
     header = buf[pos:pos + 8]
@@ -253,7 +283,10 @@ def read_scalars(path: str, tags: set[str]) -> tuple[list[int], list[float]]:
   A SessionLog START at step s drops values written before it at steps >= s,
   as TensorBoard does when a resumed run rewrites steps it had logged.
   """
-  if os.path.isdir(path):
+  if storage.is_url(path):
+    files = [storage.join(path, k) for k in storage.list_keys(path)
+             if k.rpartition('/')[2].startswith('events.out.tfevents')] or [path]
+  elif os.path.isdir(path):
     files = sorted(glob.glob(os.path.join(path, '**', 'events.out.tfevents*'), recursive=True))
   else:
     files = [path] if os.path.isfile(path) else []

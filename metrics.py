@@ -21,6 +21,7 @@ import numpy as np
 
 import events
 import model
+import storage
 
 # --- Peak FLOP/s and MFU ----------------------------------------------------------------
 
@@ -76,28 +77,30 @@ class MetricWriter:
   logged past it: JSONL records with step > start (and a line cut by the
   kill) are removed, and TensorBoard is told to purge them (a SessionLog
   START at start + 1), so both hold exactly one history of the run.
+
+  In a gs:// or s3:// workdir, which cannot append, metrics.jsonl is a folder
+  `metrics.jsonl.d/` of segments, one object per flush named by its first step
+  and time (read_records puts them back together), and TensorBoard gets one event file
+  per flush. flush() runs every `flush_seconds`, and train.py calls it before
+  each checkpoint save, so a SIGKILL loses only records past the last
+  checkpoint, which a resume drops anyway; nothing is ever written twice.
   """
 
-  def __init__(self, workdir: str, start: int = 0):
+  def __init__(self, workdir: str, start: int = 0, flush_seconds: float = 60.0):
     self.enabled = jax.process_index() == 0
     if not self.enabled:
       return
-    path = os.path.join(workdir, 'metrics.jsonl')
-    if os.path.exists(path):
-      kept = []
-      with open(path) as f:
-        for line in f:
-          try:
-            if json.loads(line)['step'] <= start:
-              kept.append(line.rstrip('\n') + '\n')
-          except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a record cut short by a hard kill
-      with open(path + '.tmp', 'w') as f:
-        f.writelines(kept)
-      os.replace(path + '.tmp', path)
-    self.jsonl = open(path, 'a')
+    self.remote = storage.is_url(workdir)
+    self.path = storage.join(workdir, METRICS)
+    self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
+    self.pending: list[str] = []
+    if self.remote:
+      _truncate_segments(self.path + SEGMENTS, start)
+    else:
+      _truncate_file(self.path, start)
+      self.jsonl = open(self.path, 'a')
     # Tags are written as they are ('train/CE loss'); TensorBoard accepts any tag.
-    self.tb = events.Writer(os.path.join(workdir, 'tensorboard'))
+    self.tb = events.Writer(storage.join(workdir, 'tensorboard'))
     if start:
       self.tb.start_session(start + 1)
 
@@ -105,16 +108,97 @@ class MetricWriter:
     """One record; numbers become TensorBoard scalars, strings its text summaries."""
     if not self.enabled:
       return
-    self.jsonl.write(json.dumps({'step': step, **metrics}) + '\n')
-    self.jsonl.flush()
+    line = json.dumps({'step': step, **metrics}) + '\n'
+    if self.remote:
+      self.pending.append(line)
+    else:
+      self.jsonl.write(line)
+      self.jsonl.flush()
     self.tb.summary(step, [events.text_value(name, value) if isinstance(value, str)
                            else events.scalar_value(name, value)
                            for name, value in metrics.items()])
+    if self.remote and time.monotonic() - self.last_flush > self.flush_seconds:
+      self.flush()
+
+  def flush(self) -> None:
+    """Makes every record written so far durable (a no-op locally, where each line is)."""
+    if not self.enabled or not self.remote:
+      return
+    if self.pending:
+      first = json.loads(self.pending[0])['step']
+      name = f'{first:012d}.{time.time_ns():020d}.jsonl'  # sorts by step, then write time
+      storage.write(storage.join(self.path + SEGMENTS, name),
+                    ''.join(self.pending).encode())
+      self.pending = []
+    self.tb.flush()
+    self.last_flush = time.monotonic()
 
   def close(self) -> None:
     if self.enabled:
-      self.jsonl.close()
+      self.flush()
+      if not self.remote:
+        self.jsonl.close()
       self.tb.close()
+
+
+METRICS = 'metrics.jsonl'
+SEGMENTS = '.d'  # <workdir>/metrics.jsonl.d/<first step>.<time>.jsonl in a bucket
+
+
+def _records_to(lines: list[str], start: int) -> list[str]:
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)['step'] <= start:
+        kept.append(line.rstrip('\n') + '\n')
+    except (json.JSONDecodeError, KeyError, TypeError):
+      continue  # a record cut short by a hard kill
+  return kept
+
+
+def _truncate_file(path: str, start: int) -> None:
+  if os.path.exists(path):
+    with open(path) as f:
+      kept = _records_to(f.readlines(), start)
+    with open(path + '.tmp', 'w') as f:
+      f.writelines(kept)
+    os.replace(path + '.tmp', path)
+
+
+def _truncate_segments(folder: str, start: int) -> None:
+  """Drops records past `start`: whole segments after it, and the tail of the one across
+  it (rewritten in place under the same name, so a kill never leaves a duplicate)."""
+  for name in storage.listdir(folder):
+    path = storage.join(folder, name)
+    first = int(name.split('.')[0])
+    if first > start:
+      storage.delete(path)
+      continue
+    lines = (storage.read_text(path) or '').splitlines(keepends=True)
+    kept = _records_to(lines, start)
+    if kept != lines:
+      storage.write(path, ''.join(kept).encode())
+
+
+def read_records(location: str) -> list[dict[str, Any]]:
+  """Every record of a run's metrics.jsonl (a workdir, the file, or a bucket's segments)."""
+  if not location.rstrip('/').endswith(METRICS):
+    location = storage.join(location, METRICS)
+  if storage.is_url(location):
+    folder = location + SEGMENTS
+    text = ''.join(storage.read_text(storage.join(folder, n)) or ''
+                   for n in storage.listdir(folder))
+  else:
+    text = storage.read_text(location)
+    if text is None:
+      raise FileNotFoundError(f'{location} does not exist.')
+  records = []
+  for line in text.splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue  # a record cut short by a hard kill
+  return records
 
 
 # --- The progress line ------------------------------------------------------------------

@@ -6,11 +6,14 @@ train.rollback_attempts allows another attempt, the run does not stop: it
   1. waits for the in-flight save, takes R = the newest healthy checkpoint,
      and decides a window of global batches to skip: those steps R+1..S read,
      plus train.rollback_margin batches after them;
-  2. appends that decision to <workdir>/rollbacks.jsonl and fsyncs it (the
-     log is the source of truth: everything after is redone from it);
+  2. appends that decision to <workdir>/rollbacks.jsonl, replacing the file
+     whole and durably (storage.write_atomic: a rename on a filesystem, one
+     atomic object in a bucket); the log is the source of truth: everything
+     after is redone from it;
   3. renames the step_N directories newer than R to rolledback.step_N.<attempt>
-     (step_dirs' listing ignores that name, so no resume, retention or
-     committed_steps sees them again);
+     (step_dirs.set_aside; step_dirs' listing ignores that name, so no resume,
+     retention or committed_steps sees them again), keeping those of the newest
+     train.keep_rolledback attempts only;
   4. restores R and continues with the window skipped, and the LR scaled by
      train.rollback_lr_factor for train.rollback_lr_steps steps.
 
@@ -32,7 +35,6 @@ naming the skipped windows. docs/rollback.md has the whole story.
 """
 
 import json
-import os
 import re
 import sys
 import time
@@ -44,44 +46,34 @@ from jax.experimental import multihost_utils
 import ml_collections
 
 import checkpoint
-import chunk_store
 import data
 import health
 import metrics
 import step_dirs
+import storage
 
 LOG = 'rollbacks.jsonl'
 ASIDE_RE = re.compile(r'^rolledback\.step_(\d+)\.(\d+)$')
 
 
+def _complete_lines(workdir: str) -> list[str]:
+  """The log's lines that end in a newline. A last line cut short (by a kill, in logs an
+  older version appended to) is not an entry: it was never written whole, so nothing
+  acted on it."""
+  text = storage.read_text(storage.join(workdir, LOG)) or ''
+  return text.splitlines(keepends=True)[:text.count('\n')]
+
+
 def read_log(workdir: str) -> list[dict[str, Any]]:
-  """The rollbacks.jsonl entries, in order. A last line cut short by a kill is not an entry:
-  it was never fsynced whole, so nothing acted on it."""
-  path = os.path.join(workdir, LOG)
-  if not os.path.exists(path):
-    return []
-  entries = []
-  with open(path) as f:
-    for line in f:
-      if line.endswith('\n'):
-        entries.append(json.loads(line))
-  return entries
+  """The rollbacks.jsonl entries, in order."""
+  return [json.loads(line) for line in _complete_lines(workdir)]
 
 
 def _append_durable(workdir: str, entry: dict[str, Any]) -> None:
-  """Appends one line and fsyncs the file and the directory before anything acts on it."""
-  path = os.path.join(workdir, LOG)
-  if os.path.exists(path):
-    with open(path, 'rb') as f:
-      raw = f.read()
-    if raw and not raw.endswith(b'\n'):  # a line cut short by a kill: this one must not join it
-      with open(path, 'r+b') as f:
-        f.truncate(raw.rfind(b'\n') + 1)
-  with open(path, 'a') as f:
-    f.write(json.dumps(entry) + '\n')
-    f.flush()
-    os.fsync(f.fileno())
-  chunk_store.fsync_dir(workdir, fsync=True)
+  """Adds one line: the whole log rewritten atomically and durably before anything acts
+  on it (a few lines per run; a bucket has no append)."""
+  lines = _complete_lines(workdir) + [json.dumps(entry) + '\n']
+  storage.write_atomic(storage.join(workdir, LOG), ''.join(lines), fsync=True)
 
 
 def _barrier(name: str) -> None:
@@ -152,10 +144,10 @@ class Recovery:
     return {'rollbacks': list(self.entries)} if self.entries else {}
 
   def _set_aside(self, entry: dict[str, Any]) -> None:
-    """Renames step dirs newer than the entry's restored step that predate the entry."""
+    """Renames step dirs newer than the entry's restored step that predate the entry, then
+    deletes the set-aside states of attempts older than the newest keep_rolledback."""
     directory, attempt = self.ckpt.directory, entry['attempt']
-    moved = False
-    for name in sorted(os.listdir(directory)):
+    for name in storage.listdir(directory):
       m = step_dirs.STEP_RE.match(name)
       if not m or int(m.group(1)) <= entry['restored_step']:
         continue
@@ -164,11 +156,15 @@ class Recovery:
       except (checkpoint.CorruptCheckpointError, FileNotFoundError):
         known = 0  # unreadable or uncommitted: never a state saved after this attempt
       if known < attempt:
-        os.rename(os.path.join(directory, name),
-                  os.path.join(directory, f'rolledback.{name}.{attempt}'))
-        moved = True
-    if moved:
-      chunk_store.fsync_dir(directory, fsync=True)
+        step_dirs.set_aside(directory, name, f'rolledback.{name}.{attempt}')
+    kept = attempt - self.cfg.train.keep_rolledback  # attempts above this keep their states
+    for name in storage.listdir(directory):
+      m = ASIDE_RE.match(name)
+      if m and int(m.group(2)) <= kept:
+        logging.info('Deleting %s (train.keep_rolledback=%d).', name,
+                     self.cfg.train.keep_rolledback)
+        storage.delete_tree(storage.join(directory, name),
+                            first=(step_dirs.COMMIT, checkpoint.METADATA))
 
   def windows_text(self) -> str:
     lines = [f'[{e["skip"][0]}, {e["skip"][1]}) (attempt {e["attempt"]}: trip at step '
@@ -180,7 +176,8 @@ class Recovery:
             f'{self.ckpt.directory} --workdir={self.workdir} --batch={batch}')
 
   def roll_back(self, reason: str, step: int, state: Any, target: Any, meta: dict[str, Any],
-                writer: metrics.MetricWriter) -> tuple[Any, int, dict[str, Any]]:
+                writer: metrics.MetricWriter, trip_step: int | None = None
+                ) -> tuple[Any, int, dict[str, Any]]:
     """(restored state, its step, its loader state), or exits EXIT_DIVERGED if it may not."""
     t = self.cfg.train
     self.ckpt.wait()  # an in-flight healthy save may be the one to restore
@@ -195,14 +192,17 @@ class Recovery:
         note = ' Rollback gave up: there is no healthy checkpoint to restore'
       if self.entries:
         note += (f'; skipped windows of global batches: {self.windows_text()} (see '
-                 f'{os.path.join(self.workdir, LOG)}; show one with '
+                 f'{storage.join(self.workdir, LOG)}; show one with '
                  f'{self.inspect_command(self.entries[-1]["skip"][0])})')
       health.stop_diverged(reason, step, self.cfg, self.ckpt, state, meta, writer,
                            note=note + '.' if note else '')
     phase_done('decided', attempt)
     start = self.skips.nth(restored)
     stop = self.skips.nth(step - 1) + 1 + t.rollback_margin
-    entry = {'attempt': attempt, 'trigger_step': step, 'reason': reason,
+    # trigger_step: the step the guard tripped at; the loop saw it at `step` (a log step),
+    # and the window covers every batch read through `step`.
+    entry = {'attempt': attempt, 'trigger_step': trip_step or step, 'detected_step': step,
+             'reason': reason,
              'restored_step': restored, 'skip': [start, stop],
              'lr_factor': float(t.rollback_lr_factor), 'lr_steps': int(t.rollback_lr_steps),
              'time': time.time()}
@@ -223,7 +223,7 @@ class Recovery:
     message = (f'ROLLBACK {attempt}/{t.rollback_attempts}: {reason}. Restored step {restored} '
                f'(the last healthy checkpoint) and skipping global batches [{start}, {stop}): '
                f'those steps {restored + 1}-{step} read, plus train.rollback_margin='
-               f'{t.rollback_margin}{lr}. Logged in {os.path.join(self.workdir, LOG)}; show a '
+               f'{t.rollback_margin}{lr}. Logged in {storage.join(self.workdir, LOG)}; show a '
                f'skipped batch with {self.inspect_command(start)}.')
     logging.warning(message)
     print(message, file=sys.stderr, flush=True)

@@ -1,17 +1,19 @@
 """The step directories of a checkpoint directory: committed, crashed, deleted.
 
-A step is committed when step_<N>/COMMIT exists (checkpoint.py writes it last,
-after the rename from tmp.step_<N>.<nonce>). `tidy` removes what crashed saves
-left and re-commits a complete step that lost only its marker; `delete_step`
-renames before deleting, so a crash mid-delete leaves a tmp.* leftover rather
-than a committed step with missing chunks. checkpoint.committed_steps,
-latest_step, latest_healthy_step and read_metadata are these functions.
+A step is committed when step_<N>/COMMIT exists. checkpoint.py writes it last:
+on a filesystem after renaming tmp.step_<N>.<nonce> to step_<N>; in a bucket
+(no rename) directly under step_<N>/ (`staging`). `tidy` removes what crashed
+saves left and re-commits a complete step that lost only its marker;
+`delete_step` renames (filesystem) or deletes COMMIT and metadata.json first
+(bucket), so a crash mid-delete leaves a leftover rather than a committed step
+with missing chunks. Every path here is a storage.py location.
+checkpoint.committed_steps, latest_step, latest_healthy_step and read_metadata
+are these functions.
 """
 
 import os
 import re
 import secrets
-import shutil
 import sys
 from typing import Any
 
@@ -20,12 +22,38 @@ from absl import logging
 import chunk_store
 import errors
 from chunk_store import CorruptCheckpointError
+import storage
+
 COMMIT = 'COMMIT'
 STEP_RE = re.compile(r'^step_(\d+)$')
 
 
 def step_dir(directory: str, step: int) -> str:
-  return os.path.join(directory, f'step_{step}')
+  return storage.join(directory, f'step_{step}')
+
+
+def staging(directory: str, step: int) -> str:
+  """Where a save of `step` writes before its commit: a tmp.* directory renamed into
+  place on a filesystem; the final prefix itself in a bucket, which has no rename."""
+  if storage.is_object_store(directory):
+    return step_dir(directory, step)
+  return storage.join(directory, f'tmp.step_{step}.{secrets.token_hex(4)}')
+
+
+def commit(directory: str, staged: str, step: int, info_text: str, fsync: bool) -> None:
+  """Writes metadata.json into a staged save, moves it into place, writes COMMIT last."""
+  chunk_store.write_durable(storage.join(staged, chunk_store.METADATA), info_text, fsync)
+  final = step_dir(directory, step)
+  if staged != final:
+    os.rename(staged, final)
+    storage.fsync_dir(directory, fsync)
+  chunk_store.write_durable(storage.join(final, COMMIT), '', fsync)
+  storage.fsync_dir(final, fsync)
+
+
+def discard(staged: str) -> None:
+  """Removes a failed save's files, its markers first (see delete_step)."""
+  storage.delete_tree(staged, first=(COMMIT, chunk_store.METADATA))
 
 
 def has_commit(step_dir: str) -> bool:
@@ -34,8 +62,10 @@ def has_commit(step_dir: str) -> bool:
   os.path.exists would say False on EACCES too, and a committed step would
   then pass for a crashed save.
   """
-  marker = os.path.join(step_dir, COMMIT)
+  marker = storage.join(step_dir, COMMIT)
   try:
+    if storage.is_url(marker):
+      return storage.exists(marker)
     os.stat(marker)
   except (FileNotFoundError, NotADirectoryError):
     return False
@@ -47,13 +77,13 @@ def has_commit(step_dir: str) -> bool:
 def committed_steps(directory: str) -> list[int]:
   """Steps with a committed (COMMIT-marked) checkpoint in `directory`, ascending."""
   try:
-    names = os.listdir(directory)
-  except FileNotFoundError:
-    return []
+    names = storage.listdir(directory)
+  except OSError as e:
+    raise chunk_store.read_error(directory, directory, e) from e
   steps = []
   for name in names:
     m = STEP_RE.match(name)
-    if m and has_commit(os.path.join(directory, name)):
+    if m and has_commit(storage.join(directory, name)):
       steps.append(int(m.group(1)))
   return sorted(steps)
 
@@ -70,7 +100,7 @@ def latest_healthy_step(directory: str) -> int | None:
   Checkpoints written before the flag existed count as healthy. One whose
   metadata is damaged is skipped: it cannot be resumed from.
   """
-  directory = os.path.abspath(directory)
+  directory = storage.absolute(directory)
   for step in reversed(committed_steps(directory)):
     try:
       info = chunk_store.read_info(step_dir(directory, step))
@@ -85,9 +115,10 @@ def tidy(directory: str, fsync: bool) -> None:
   """Removes leftovers of crashed saves; re-commits a complete step that lost COMMIT.
 
   tmp.step_* directories are saves that never reached their rename: removed.
-  A step_<N> without COMMIT was renamed into place only after its save had
-  written and verified every file, so it normally lacks just the marker (a
-  crash between rename and marker, or a lost file). It is verified in full
+  On a filesystem a step_<N> without COMMIT was renamed into place only after
+  its save had written and verified every file, so it normally lacks just the
+  marker (a crash between rename and marker, or a lost file); in a bucket it
+  is usually a save cut short. Either way it is verified in full
   (every chunk against its checksum, and metadata.json against its own); if it
   passes it is re-committed with a warning, not left in place: it may be the
   run's newest state, and a later save of step N could not rename onto it. One
@@ -96,17 +127,13 @@ def tidy(directory: str, fsync: bool) -> None:
   save in this directory would look like such leftovers: WorkdirLock keeps a
   second run out.
   """
-  try:
-    names = sorted(os.listdir(directory))
-  except FileNotFoundError:
-    return
-  for name in names:
-    path = os.path.join(directory, name)
-    if not os.path.isdir(path):
+  for name in storage.listdir(directory):
+    path = storage.join(directory, name)
+    if not storage.is_url(path) and not os.path.isdir(path):
       continue
     if name.startswith('tmp.step_'):
       logging.warning('Removing partial checkpoint %s (left by a crashed save).', path)
-      shutil.rmtree(path, ignore_errors=True)
+      storage.delete_tree(path)
     elif STEP_RE.match(name) and not has_commit(path):
       _recommit_or_remove(path, fsync)
 
@@ -116,31 +143,43 @@ def _recommit_or_remove(path: str, fsync: bool) -> None:
     chunk_store.verify_in_full(path)
   except CorruptCheckpointError as e:
     logging.warning('Removing partial checkpoint %s (left by a crashed save: %s).', path, e)
-    shutil.rmtree(path, ignore_errors=True)
+    discard(path)
     return
   logging.warning('Checkpoint %s has no %s marker but every file verifies against its '
                   'checksums (only the marker was lost); re-committing it.', path, COMMIT)
-  chunk_store.write_durable(os.path.join(path, COMMIT), '', fsync)
-  chunk_store.fsync_dir(path, fsync)
+  chunk_store.write_durable(storage.join(path, COMMIT), '', fsync)
+  storage.fsync_dir(path, fsync)
 
 
 def delete_step(directory: str, step: int) -> None:
-  # Rename first, so a crash mid-delete leaves a tmp.* leftover rather than a
-  # COMMIT-marked step with missing chunks.
-  doomed = os.path.join(directory,
-                        f'tmp.step_{step}.deleted.{secrets.token_hex(4)}')
+  # A filesystem renames first, so a crash mid-delete leaves a tmp.* leftover rather
+  # than a COMMIT-marked step with missing chunks; a bucket deletes COMMIT first, then
+  # metadata.json (so tidy cannot re-commit the rest), then the chunks.
+  if storage.is_url(directory):
+    discard(step_dir(directory, step))
+    return
+  doomed = storage.join(directory, f'tmp.step_{step}.deleted.{secrets.token_hex(4)}')
   os.rename(step_dir(directory, step), doomed)
-  shutil.rmtree(doomed)
+  storage.delete_tree(doomed)
+
+
+def set_aside(directory: str, name: str, new_name: str) -> None:
+  """Moves step directory `name` out of the listing (corrupt.*, rolledback.*): a rename
+  on a filesystem; in a bucket a copy with COMMIT last, then a delete with COMMIT and
+  metadata.json first, so a crash leaves the step committed or the copy complete."""
+  storage.rename_tree(storage.join(directory, name), storage.join(directory, new_name),
+                      last=(COMMIT,), first_deleted=(COMMIT, chunk_store.METADATA))
+  storage.fsync_dir(directory)
 
 
 def committed_dir(directory: str, step: int | None) -> str:
-  directory = os.path.abspath(directory)
+  directory = storage.absolute(directory)
   if step is None:
     step = latest_step(directory)
     if step is None:
       raise FileNotFoundError(f'No committed checkpoint in {directory}.')
   path = step_dir(directory, step)
-  if not os.path.isdir(path):
+  if not storage.isdir(path):
     raise FileNotFoundError(f'No checkpoint for step {step} in {directory}; committed '
                             f'steps: {committed_steps(directory)}.')
   if not has_commit(path):
@@ -162,7 +201,7 @@ def check_fresh_start(directory: str, workdir: str) -> None:
   committed steps in `workdir` itself, one level above where train.py reads
   them (a checkpoint converted or copied to the wrong place).
   """
-  if any(n.startswith('corrupt.step_') for n in os.listdir(directory)):
+  if any(n.startswith('corrupt.step_') for n in storage.listdir(directory)):
     raise errors.ConfigError(f'{directory} holds only corrupt checkpoints (corrupt.step_*); '
                              'restore a good copy there, or remove them to start afresh.')
   misplaced = committed_steps(workdir)

@@ -40,6 +40,7 @@ import batches
 import data
 import errors
 import health
+import host_sync
 import hf_ckpt
 import kernels
 import loss
@@ -50,6 +51,7 @@ import rollback
 import sample
 import sharding
 import step_dirs
+import storage
 import workdir_lock
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
@@ -96,7 +98,11 @@ def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainS
   count from a full train checkpoint and restarts the step and schedule.
   """
   path = cfg.train.init_from
-  if os.path.exists(os.path.join(path, 'config.json')):
+  if storage.exists(storage.join(path, 'config.json')):
+    if storage.is_url(path):
+      raise errors.ConfigError(f'train.init_from={path!r} is an HF directory in a bucket; HF '
+                               'weights are read from a local path: copy it down, or convert it '
+                               'once with convert.py --from_hf=LOCAL_DIR --to=gs://...')
     params, source = hf_ckpt.load_hf(path, pad_vocab_to=128)
   elif checkpoint.committed_steps(path):
     source = ml_collections.ConfigDict(checkpoint.read_metadata(path)['config']).model
@@ -256,11 +262,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   the leftovers of a crashed one.
   """
   config_checks.validate(config_checks.complete(cfg))
-  if cfg.train.init_from and not os.path.exists(cfg.train.init_from):
+  workdir = storage.check(workdir)
+  init_from = cfg.train.init_from and storage.check(cfg.train.init_from,
+                                                    '--config.train.init_from')
+  if init_from and not storage.exists(init_from) and not storage.isdir(init_from):
     raise errors.ConfigError(f'train.init_from={cfg.train.init_from!r} does not exist; point '
                              '--config.train.init_from at a checkpoint or HF directory.')
   mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
-  cache_dir = cfg.data.cache_dir or os.path.join(workdir, 'data_cache')
+  cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
   accum = batches.grad_accum_steps(cfg.data.global_batch_size,
                                    int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
@@ -269,10 +278,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   logging.info('attention_impl=%s (%s).', impl, why)
   tx = optim.make_optimizer(cfg.opt)
   sharding.check_state_fits(abstract_state(cfg, tx), mesh)
+  host_sync.check_shared(workdir)  # every process sees one workdir, before anything is written
   lock = (workdir_lock.WorkdirLock(workdir) if jax.process_index() == 0
           else contextlib.nullcontext())
   with lock:
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
+    ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
     if not ckpt.committed_steps():
       step_dirs.check_fresh_start(ckpt.directory, workdir)
@@ -319,14 +329,14 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
   preempt, heartbeat = health.Preemption(), health.Heartbeat()
   version = metrics.code_version()
   last = {}
-  try:
-    heartbeat.beat()
+  try:  # the first beat follows the first step: its compile is paused (health.Heartbeat)
     while step < cfg.train.steps:
       t0 = time.perf_counter()
       batch = next(loader)
       wait = time.perf_counter() - t0
       ckpt.poll()  # a failed background save stops the run now, not at the next save
-      state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
+      with heartbeat.compiling('train step'):
+        state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
       step += 1
       step_metrics = {**step_metrics, **recovery.counters(step)}
       if repeats is not None:  # host-side: the ids of the batch just taken
@@ -343,7 +353,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       if guard.reason:  # roll back to the last healthy state, or stop (EXIT_DIVERGED)
         state, step, data_state = recovery.roll_back(
             guard.reason, step, state, recovery.target,
-            checkpoint_meta(cfg, step, loader, version, recovery), writer)
+            checkpoint_meta(cfg, step, loader, version, recovery), writer, guard.trip_step)
         loader.close()
         writer.close()
         loader = make_loader(data_state, step)
@@ -351,13 +361,15 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         continue
       # Not on preemption: the grace period is for the checkpoint.
       if evaluate and (step % cfg.train.eval_every == 0 or finished) and not preempted:
-        val = evaluate(state.params)
+        with heartbeat.compiling('evaluation'):
+          val = evaluate(state.params)
         writer.write(step, {**val, **memorization.observe_eval(
             step, val['eval/lm/validation/CE loss'])})
         last.update(val)
         print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
               flush=True)
       if save:
+        writer.flush()  # in a bucket: the records through this step, before it commits
         ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version, recovery),
                   healthy=guard.healthy)
       if preempted:
@@ -397,8 +409,11 @@ def main(argv: list[str]) -> None:
                   '--devices=N [--target_devices=M].', errors.EXIT_USAGE)
   if not FLAGS.workdir:
     errors.report('--workdir is required (checkpoints and metrics go there).', errors.EXIT_USAGE)
-  log_file = os.path.join(FLAGS.workdir, 'error.log')
-  with errors.one_line(log_file):
+  with errors.one_line():
+    storage.check(FLAGS.workdir)  # a mistyped URL must not become a local folder
+  log_file = storage.join(FLAGS.workdir, 'error.log')
+  with errors.one_line(log_file, append=storage.append, restartable=(
+      storage.StorageError, checkpoint.CheckpointReadError, checkpoint.CheckpointSaveError)):
     sharding.init_distributed_from_flags()
     train(FLAGS.config, FLAGS.workdir, FLAGS.sample_tokens)
 

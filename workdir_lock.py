@@ -1,9 +1,17 @@
-"""One training run per workdir: an flock on <workdir>/LOCK naming its holder.
+"""One training run per workdir: <workdir>/LOCK, naming its holder.
 
 checkpoint.py's clean-up of a crashed save (tmp.step_* directories, a step
 without COMMIT) would take another live run's in-flight save in the same
 directory for such leftovers; this lock keeps that second run out.
 checkpoint.WorkdirLock and checkpoint.WorkdirLockedError are these names.
+
+On a filesystem it is an flock, which the kernel drops when its holder dies.
+In a gs:// or s3:// bucket there is no such thing, so it is a lease: LOCK is
+created only if it does not exist (a conditional write), and its holder
+rewrites it every LEASE_SECONDS / 4 (conditional on its own last write). A
+LOCK not renewed for LEASE_SECONDS, or naming a process of this host that is
+no longer running (a killed trainer restarted by the launcher), is stale and
+taken over, again by a conditional write, so two runs never both win.
 """
 
 import datetime
@@ -11,12 +19,16 @@ import fcntl
 import json
 import os
 import socket
+import threading
+import time
 
 from absl import logging
 
 import errors
+import storage
 
 LOCK = 'LOCK'
+LEASE_SECONDS = float(os.environ.get('OLMO_LOCK_LEASE_SECONDS', 300))
 
 
 class WorkdirLockedError(errors.UserError, RuntimeError):
@@ -46,11 +58,15 @@ class WorkdirLock:
   """
 
   def __init__(self, workdir: str):
-    self.workdir = os.path.abspath(workdir)
-    self.path = os.path.join(self.workdir, LOCK)
+    self.workdir = storage.absolute(storage.check(workdir))
+    self.path = storage.join(self.workdir, LOCK)
     self._fd: int | None = None
+    self._lease: _Lease | None = None
 
   def __enter__(self) -> 'WorkdirLock':
+    if storage.is_url(self.workdir):
+      self._lease = _Lease(self.workdir, self.path)
+      return self
     if self._fd is not None:
       raise RuntimeError(f'{self.path} is already held by this WorkdirLock.')
     fd = self._open()
@@ -72,6 +88,10 @@ class WorkdirLock:
     return self
 
   def __exit__(self, *exc) -> None:
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
+      return
     fd, self._fd = self._fd, None
     try:
       os.ftruncate(fd, 0)  # no holder left to be reported as stale
@@ -115,3 +135,87 @@ def _describe_holder(fd: int) -> str:
     return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
   except (ValueError, TypeError, KeyError):
     return f'unrecognised LOCK contents {text[:200]!r}'
+
+
+def _holder() -> dict:
+  return {'host': socket.gethostname(), 'pid': os.getpid(),
+          'started': datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          'renewed': time.time()}
+
+
+def _stale_because(holder: dict) -> str:
+  """Why a bucket LOCK's holder is gone ('' while it holds the lease)."""
+  age = time.time() - float(holder.get('renewed', 0))
+  if age > LEASE_SECONDS:
+    return f'not renewed for {age:.0f} s (lease {LEASE_SECONDS:.0f} s)'
+  if holder.get('host') == socket.gethostname():
+    try:
+      os.kill(int(holder['pid']), 0)
+    except ProcessLookupError:
+      return 'its process is no longer running'
+    except (OSError, ValueError, KeyError):
+      pass
+  return ''
+
+
+class _Lease:
+  """LOCK in a bucket: taken by a conditional create, kept by a renewing thread."""
+
+  def __init__(self, workdir: str, path: str):
+    self.workdir, self.path = workdir, path
+    self.holder = _holder()
+    for _ in range(3):  # lost races re-read the winner, who is then refused below
+      text, generation = storage.read_versioned(path)
+      if text:
+        self._refuse_unless_stale(text)
+      self.generation = storage.write(path, json.dumps(self.holder).encode(),
+                                      if_generation=generation)
+      if self.generation is not None:
+        break
+    else:
+      raise WorkdirLockedError(f'Workdir {workdir}: another run keeps taking {path}; stop '
+                               'the other run or use another --workdir.')
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._renew, name='workdir-lock-lease', daemon=True)
+    self._thread.start()
+
+  def _refuse_unless_stale(self, text: bytes) -> None:
+    try:
+      holder = json.loads(text)
+      who = f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
+    except (ValueError, TypeError, KeyError):
+      logging.warning('Taking over %s: unrecognised contents %r.', self.path, text[:200])
+      return
+    why = _stale_because(holder)
+    if not why:
+      raise WorkdirLockedError(
+          f'Workdir {self.workdir} is in use by another training run ({who}; lock {self.path}, '
+          f'renewed {time.time() - holder["renewed"]:.0f} s ago). Two runs in one workdir would '
+          "overwrite each other's checkpoints. Wait for that run to end or stop it, or use "
+          f'another --workdir (a lock not renewed for {LEASE_SECONDS:.0f} s is taken over).')
+    logging.warning('Taking over the stale workdir lock %s: its holder (%s) is %s.',
+                    self.path, who, why.replace('its process', 'a process that'))
+
+  def _renew(self) -> None:
+    while not self._stop.wait(LEASE_SECONDS / 4):
+      self.holder['renewed'] = time.time()
+      try:
+        generation = storage.write(self.path, json.dumps(self.holder).encode(),
+                                   if_generation=self.generation)
+      except OSError as e:  # the service is down: keep trying, the lease is long
+        logging.warning('Cannot renew the workdir lock %s: %s', self.path, e)
+        continue
+      if generation is None:
+        logging.error('Lost the workdir lock %s: another run took it over after this one '
+                      'failed to renew it for %.0f s. Stop one of the two runs.', self.path,
+                      LEASE_SECONDS)
+        return
+      self.generation = generation
+
+  def release(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    try:  # empty: the next run finds it free, with no stale holder to report
+      storage.write(self.path, b'', if_generation=self.generation)
+    except OSError as e:
+      logging.warning('Cannot release the workdir lock %s: %s', self.path, e)

@@ -154,6 +154,10 @@ def get_config() -> ml_collections.ConfigDict:
   # restarted ~100 steps before a spike and skipped 200-500 batches; the restored
   # checkpoint here is up to ckpt_every steps back, so the window is already that long.
   c.train.rollback_margin = 100
+  # States set aside by rollbacks (checkpoints/rolledback.step_N.<attempt>) kept for
+  # inspection: the newest attempts' only. Each is a full train state (~84 GB at 7B),
+  # and in a bucket setting one aside copies it, so 0 (delete them) is a sane choice there.
+  c.train.keep_rolledback = 1
   # LR factor for the first rollback_lr_steps steps after a rollback (1.0: the schedule's).
   # Applied as a scale on the update, which for AdamW with decoupled decay is the LR's.
   c.train.rollback_lr_factor = 1.0

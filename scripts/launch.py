@@ -21,10 +21,14 @@ the launcher gives up with the trainer's exit code.
 Stall watchdog: a trainer that stops without dying (SIGSTOPped, deadlocked in
 a collective) would be waited on forever. Each attempt gets a fresh heartbeat
 file on local disk, named in the environment variable OLMO_HEARTBEAT_FILE;
-train.py touches it when its loop starts and after every step. Once it has
-been touched (compiling, packing data and restoring may take long before
-that), a heartbeat older than --stall_timeout seconds makes the launcher kill
-the trainer's whole process group (SIGKILL) and restart it like a crash.
+train.py touches it after every step, the first time once its first step has
+run. While the file starts with `paused` (health.Heartbeat.paused: train.py
+compiling its first step, or its first evaluation) the time is not counted;
+leaving the pause touches it. Once it has been touched (packing data and
+restoring may take long before that), a heartbeat older than --stall_timeout
+seconds, not paused, makes the launcher kill the trainer's whole process group
+(SIGKILL) and restart it like a crash. So a --stall_timeout shorter than a
+compile does not kill a trainer that is compiling.
 
 The trainer runs in its own session (process group), so the watchdog reaches
 its children too, and whatever it leaves behind when it exits is killed
@@ -51,8 +55,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402  (repo root on the path first)
 import errors  # noqa: E402
+import storage  # noqa: E402
 
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
+PAUSED = b'paused'  # health.PAUSED: the trainer is compiling, the watchdog does not count
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -69,7 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='the longest wait between attempts, in seconds')
   parser.add_argument('--stall_timeout', type=float, default=1800.0,
                       help='kill and restart a trainer whose heartbeat file ($%s) is older than '
-                           'this many seconds, once it was touched; 0 disables' % HEARTBEAT_ENV)
+                           'this many seconds, once it was touched and while it is not paused '
+                           '(compiling); 0 disables' % HEARTBEAT_ENV)
   if '--' not in argv:
     parser.error('put the trainer command after `--`.')
   split = argv.index('--')
@@ -83,6 +90,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       parser.error('no --workdir: pass --workdir=DIR to the launcher or --workdir=DIR '
                    '(with "=") in the trainer command.')
     args.workdir = found[-1]
+  try:
+    storage.check(args.workdir)
+  except errors.ConfigError as e:
+    parser.error(str(e))
   if args.max_failures < 1 or args.backoff < 0 or args.max_backoff < args.backoff:
     parser.error('need --max_failures >= 1 and 0 <= --backoff <= --max_backoff.')
   if args.stall_timeout < 0:
@@ -120,20 +131,23 @@ class Launcher:
     self.command, self.workdir = command, workdir
     self.max_failures, self.backoff, self.max_backoff = max_failures, backoff, max_backoff
     self.stall_timeout = stall_timeout
-    self.ckpt_dir = os.path.join(workdir, 'checkpoints')
+    self.ckpt_dir = storage.join(workdir, 'checkpoints')
     self.child: subprocess.Popen | None = None
     self.stopping = False
     # Every host's launcher appends to the same shared log, and pids repeat across hosts.
     self.tag = f'host={socket.gethostname()} pid={os.getpid()}'
-    os.makedirs(workdir, exist_ok=True)
-    self.log_file = open(os.path.join(workdir, 'launcher.log'), 'a')
+    storage.makedirs(workdir)
+    # In a bucket each line is one conditional append (storage.append): lines are rare.
+    self.log_path = storage.join(workdir, 'launcher.log')
 
   def log(self, message: str) -> None:
     now = datetime.datetime.now().isoformat(timespec='seconds')
     line = f'[launch {now} {self.tag}] {message}'
     print(line, file=sys.stderr, flush=True)
-    self.log_file.write(line + '\n')
-    self.log_file.flush()
+    try:
+      storage.append(self.log_path, line + '\n')
+    except OSError as e:  # the log is a record; never stop supervising for it
+      print(f'[launch] cannot append to {self.log_path}: {e}', file=sys.stderr, flush=True)
 
   def _forward(self, signum, frame) -> None:
     del frame
@@ -197,9 +211,11 @@ class Launcher:
         pass
       try:
         touched = os.stat(heartbeat).st_mtime
+        with open(heartbeat, 'rb') as f:
+          paused = f.read(len(PAUSED)) == PAUSED
       except OSError:  # removed by a tmp cleaner, say: the watchdog cannot tell, so it waits
         continue
-      if touched > 0 and time.time() - touched > self.stall_timeout:
+      if touched > 0 and not paused and time.time() - touched > self.stall_timeout:
         self.log(f'attempt {attempt}: no heartbeat from the trainer (pid {self.child.pid}) for '
                  f'{time.time() - touched:.0f} s (--stall_timeout={self.stall_timeout:g}); '
                  'killing its process group.')
