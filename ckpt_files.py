@@ -21,6 +21,8 @@ import shutil
 
 import checkpoint
 import model
+import step_dirs
+import storage
 
 # What a checkpoint directory may hold (checkpoint.py and train.py names); --overwrite
 # replaces the whole directory, so anything else in it is refused rather than deleted.
@@ -72,13 +74,18 @@ def write_json(path: str, content: dict) -> None:
 
 
 def copy_files(source: str, names: list[str], destination: str) -> None:
-  """Copies `names` from `source` into `destination` (created if needed)."""
-  os.makedirs(destination, exist_ok=True)
+  """Copies `names` from `source` into `destination` (created if needed; either may be a
+  bucket)."""
+  storage.makedirs(destination)
   for name in names:
-    if not os.path.isfile(os.path.join(source, name)):
+    data = storage.read(storage.join(source, name))
+    if data is None:
       raise FileNotFoundError(f'{source}/{name} is gone: it was listed when the checkpoint was '
                               'made. Restore it, or pass --tokenizer=PATH.')
-    shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+    if storage.is_url(source) or storage.is_url(destination):
+      storage.write_atomic(storage.join(destination, name), data)
+    else:
+      shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
 
 
 # --- Destination checkpoint directories ----------------------------------------------------
@@ -86,7 +93,7 @@ def copy_files(source: str, names: list[str], destination: str) -> None:
 
 def check_destination(directory: str, overwrite: bool) -> None:
   """Refuses a --to that holds a checkpoint (unless overwrite) or that overwrite would harm."""
-  if os.path.exists(directory) and not os.path.isdir(directory):
+  if storage.isfile(directory):
     raise FileExistsError(f'{directory} is a file, not a checkpoint directory; choose another '
                           '--to.')
   steps = checkpoint.committed_steps(directory)
@@ -94,7 +101,7 @@ def check_destination(directory: str, overwrite: bool) -> None:
     raise FileExistsError(f'{directory} already holds a checkpoint (steps {steps}); converting '
                           'into it would leave that one in place. Pass --overwrite to replace it '
                           '(it is kept until the new one is complete), or choose another --to.')
-  foreign = steps and sorted(n for n in os.listdir(directory) if not CHECKPOINT_ENTRY.match(n))
+  foreign = steps and [n for n in storage.listdir(directory) if not CHECKPOINT_ENTRY.match(n)]
   if foreign:
     raise FileExistsError(f'{directory} holds {foreign[:5]} besides its checkpoints, and '
                           '--overwrite replaces the whole directory; move them out, or choose '
@@ -103,13 +110,24 @@ def check_destination(directory: str, overwrite: bool) -> None:
 
 def staging_dir(directory: str) -> str:
   """A fresh sibling of `directory` to build its replacement in (same filesystem: renames)."""
-  directory = os.path.abspath(directory)
-  return os.path.join(os.path.dirname(directory),
-                      f'.{os.path.basename(directory)}.convert-{secrets.token_hex(4)}')
+  directory = storage.absolute(directory)
+  return storage.join(storage.parent(directory),
+                      f'.{storage.basename(directory)}.convert-{secrets.token_hex(4)}')
 
 
 def install(staging: str, directory: str, step: int = 0) -> None:
-  """Moves the checkpoint built in `staging` to `directory`; `staging` then holds the old one."""
+  """Moves the checkpoint built in `staging` to `directory`; `staging` then holds the old one.
+
+  In a bucket (no rename) the old steps are deleted, COMMIT first, and the new step is
+  copied in with its COMMIT last; the staging prefix is removed by the caller.
+  """
+  if storage.is_url(directory):
+    for old in checkpoint.committed_steps(directory):
+      step_dirs.delete_step(directory, old)
+    step_dirs.discard(step_dirs.step_dir(directory, step))  # a copy cut short before
+    storage.rename_tree(step_dirs.step_dir(staging, step), step_dirs.step_dir(directory, step),
+                        last=(step_dirs.COMMIT,))
+    return
   if not checkpoint.committed_steps(directory):  # nothing to replace: move step_<step> in
     os.makedirs(directory, exist_ok=True)
     leftover = os.path.join(directory, f'step_{step}')

@@ -47,23 +47,24 @@ import download
 import errors
 import hf_ckpt
 import olmo_core_ckpt
+import storage
 
 WORKDIR_CHECKPOINTS = 'checkpoints'  # train.py's <workdir>/checkpoints
 
 
 def run_checkpoint_dir(to: str) -> str:
   """Where --from_olmo_core writes for --to=`to`: the workdir's checkpoint directory."""
-  to = os.path.normpath(to)
-  if os.path.basename(to) == WORKDIR_CHECKPOINTS:
+  to = storage.check(to, '--to').rstrip('/') if storage.is_url(to) else os.path.normpath(to)
+  if storage.basename(to) == WORKDIR_CHECKPOINTS:
     return to
-  steps = checkpoint.committed_steps(to) if os.path.isdir(to) else []
+  steps = checkpoint.committed_steps(to) if storage.isdir(to) else []
   if steps:
     raise FileExistsError(
         f'--to={to} holds checkpoints itself (steps {steps}), but --from_olmo_core writes a '
-        f'train.py workdir (into {os.path.join(to, WORKDIR_CHECKPOINTS)}, where train.py '
+        f'train.py workdir (into {storage.join(to, WORKDIR_CHECKPOINTS)}, where train.py '
         f'--workdir={to} resumes); pass a new or existing workdir as --to, or '
-        f'--to={os.path.join(to, WORKDIR_CHECKPOINTS)} for that directory itself.')
-  return os.path.join(to, WORKDIR_CHECKPOINTS)
+        f'--to={storage.join(to, WORKDIR_CHECKPOINTS)} for that directory itself.')
+  return storage.join(to, WORKDIR_CHECKPOINTS)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -85,7 +86,7 @@ def _from_olmo_core() -> None:
   moments = (f"Adam count {out['adam_count']}" if out['moments']
              else 'no optimizer state: moments start at zero')
   print(f"{FLAGS.from_olmo_core} -> {to}/step_{out['step']} ({moments})")
-  workdir = os.path.dirname(to)
+  workdir = storage.parent(to)
   config = (f'--config=configs/from_checkpoint.py:{workdir}' if FLAGS.config is None
             else '--config=<the same --config and overrides>')
   print(f'Continue it: python train.py --workdir={workdir} {config}')
@@ -107,6 +108,14 @@ def main(argv):
     raise app.UsageError('--config goes with --from_olmo_core (the run config the converted '
                          'checkpoint continues with).')
   try:
+    for flag in ('from_ckpt', 'to'):  # our checkpoints: a path or a gs:// or s3:// URL
+      if getattr(FLAGS, flag):
+        storage.check(getattr(FLAGS, flag), f'--{flag}')
+    for flag in ('from_hf', 'to_hf', 'to_olmo_core'):  # other formats: local files
+      if getattr(FLAGS, flag) and storage.is_url(getattr(FLAGS, flag)):
+        raise errors.ConfigError(f'--{flag}={getattr(FLAGS, flag)} is a URL; HF and OLMo-core '
+                                 'directories are written and read on a local path (copy them '
+                                 'with gcloud storage cp / aws s3 cp).')
     if mode == 'from_hf':
       ckpt_files.check_destination(FLAGS.to, FLAGS.overwrite)  # before minutes of reading
       params, cfg = hf_ckpt.load_hf(FLAGS.from_hf)
@@ -130,6 +139,9 @@ def main(argv):
     print(f'convert.py: error: {" ".join(str(e).split())}', file=sys.stderr, flush=True)
     raise SystemExit(errors.EXIT_DATA if isinstance(e, errors.DataError)
                      else errors.EXIT_USAGE) from e
+  except (storage.StorageError, checkpoint.CheckpointReadError) as e:  # a rerun may succeed
+    print(f'convert.py: error: {" ".join(str(e).split())}', file=sys.stderr, flush=True)
+    raise SystemExit(errors.EXIT_CRASH) from e
 
 
 if __name__ == '__main__':

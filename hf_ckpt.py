@@ -47,6 +47,7 @@ import ckpt_files
 from ckpt_files import ConversionError
 from configs import olmo3_7b
 import model
+import storage
 
 # HF tensor name for layer i -> (our module, our name); HF Linear weights are
 # [out, in] and ours [in, out]; the embedding is [V, D] on both sides.
@@ -399,7 +400,7 @@ def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directo
   step_0/hf_files/.
   """
   ckpt_files.check_destination(directory, overwrite)
-  directory = os.path.abspath(directory)
+  directory = storage.absolute(directory)
   staging = ckpt_files.staging_dir(directory)
   metadata = {'config': {'model': cfg.to_dict()}}
   if hf_source is not None:
@@ -409,10 +410,10 @@ def save_checkpoint_params(params: dict, cfg: ml_collections.ConfigDict, directo
       ckpt.save(0, {'params': params}, metadata)
     if hf_source and hf_source['files']:
       ckpt_files.copy_files(hf_source['path'], hf_source['files'],
-                            os.path.join(staging, 'step_0', HF_FILES))
+                            storage.join(staging, 'step_0', HF_FILES))
     ckpt_files.install(staging, directory)
   finally:
-    shutil.rmtree(staging, ignore_errors=True)  # after an exchange: the old checkpoint
+    storage.delete_tree(staging)  # after an exchange: the old checkpoint
 
 
 # --- Export ------------------------------------------------------------------------
@@ -434,7 +435,7 @@ def export_hf(ckpt_dir: str, out: str, *, step: int | None = None, dtype: str | 
   ckpt_files.write_json(os.path.join(out, 'generation_config.json'),
                         (source or {}).get('generation_config') or _generation_config(config))
   if tokenizer is None and source and source['files']:
-    step_dir = os.path.join(ckpt_dir, f'step_{step}', HF_FILES)
+    step_dir = storage.join(ckpt_dir, f'step_{step}', HF_FILES)
     ckpt_files.copy_files(step_dir, source['files'], out)
   else:
     tokenizer = tokenizer or _run_tokenizer(full, config['vocab_size'])

@@ -55,6 +55,7 @@ import data
 import model
 import olmo_core_config
 import olmo_core_reader
+import storage
 from olmo_core_config import OlmoCoreCheckpointError
 import token_files
 
@@ -314,13 +315,13 @@ def _write(reader: olmo_core_reader.Reader, cfg, out_dir: str, step: int, count:
     value = np.asarray(value, dtype)
     arrays.append((f'opt_state/{name}', value.shape, dtype, value.shape,
                    lambda value=value: iter([(tuple((0, n) for n in value.shape), value)])))
-  out_dir = os.path.abspath(out_dir)
+  out_dir = storage.absolute(out_dir)
   staging = ckpt_files.staging_dir(out_dir)
   try:
     checkpoint.save_streamed(staging, step, arrays, meta)
     ckpt_files.install(staging, out_dir, step)
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
+    storage.delete_tree(staging)
 
 
 # --- Fetching a step directory over HTTP ------------------------------------------------------

@@ -214,7 +214,8 @@ def _root(location: str) -> tuple[dict[str, Any], str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _open(root: str) -> ts.KvStore:
+def _open(root: str, gcs_url: str | None) -> ts.KvStore:
+  del gcs_url  # part of the cache key: tensorstore reads it when a gcs store opens
   spec = json.loads(root)
   ctx = context() if spec['driver'] != 'file' else None
   return ts.KvStore.open(spec, context=ctx).result()
@@ -222,7 +223,13 @@ def _open(root: str) -> ts.KvStore:
 
 def _store(location: str) -> tuple[ts.KvStore, str]:
   spec, key = _root(location)
-  return _open(json.dumps(spec, sort_keys=True)), key
+  return _open(json.dumps(spec, sort_keys=True), os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
+
+
+def kvstore(location: str) -> tuple[ts.KvStore, str]:
+  """(the opened store holding a URL, its key there): to issue many reads at once as futures
+  (remote_tokens.py reads a batch's byte ranges this way)."""
+  return _store(location)
 
 
 class StorageError(OSError):

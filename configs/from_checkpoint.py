@@ -20,11 +20,12 @@ import ml_collections
 import checkpoint
 from configs import olmo3_7b
 import errors
+import storage
 
 
 def _stored(path: str) -> dict:
   """The full run config saved with the checkpoint at `path`."""
-  workdir_checkpoints = os.path.join(path, 'checkpoints')
+  workdir_checkpoints = storage.join(path, 'checkpoints')
   if not checkpoint.committed_steps(path) and checkpoint.committed_steps(workdir_checkpoints):
     path = workdir_checkpoints
   if not checkpoint.committed_steps(path):
@@ -57,4 +58,5 @@ def get_config(path: str = '') -> ml_collections.ConfigDict:
     errors.report('configs/from_checkpoint.py needs the checkpoint: '
                   '--config=configs/from_checkpoint.py:WORKDIR_OR_CHECKPOINT_DIR.',
                   errors.EXIT_USAGE)
-  return _merged(olmo3_7b.get_config(), _stored(os.path.expanduser(path)))
+  return _merged(olmo3_7b.get_config(),
+                 _stored(path if storage.is_url(path) else os.path.expanduser(path)))

@@ -1,0 +1,104 @@
+"""An HTTP proxy in front of a storage server that fails on demand and counts requests.
+
+The storage tests put it between tensorstore and the GCS emulator or the S3
+server (TENSORSTORE_GCS_HTTP_URL / AWS_ENDPOINT_URL point at the proxy) to
+make the service answer 503s, stall, or drop connections, as a real bucket does
+under load or during an outage, and to count the requests a save or a step of
+data costs (bench/bench_storage.py).
+"""
+
+import http.client
+import http.server
+import threading
+import time
+import urllib.parse
+
+
+class FaultProxy:
+  """`with FaultProxy(upstream_url) as proxy:` proxy.url forwards to upstream.
+
+  proxy.fail(n, status, after): after `after` more requests pass, the next n are
+  answered `status` without reaching the upstream. proxy.stall(seconds): requests wait that long before
+  being forwarded (a hung server; 0 ends it). proxy.counts: requests seen per
+  method, proxy.bytes_in / bytes_out: bodies forwarded up / answered down.
+  """
+
+  def __init__(self, upstream: str):
+    parsed = urllib.parse.urlparse(upstream)
+    self.upstream = (parsed.hostname, parsed.port)
+    self.lock = threading.Lock()
+    self.failing, self.fail_status, self.stall_seconds, self.passing = 0, 503, 0.0, 0
+    self.counts: dict[str, int] = {}
+    self.bytes_in = self.bytes_out = 0
+    proxy = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = 'HTTP/1.1'
+
+      def log_message(self, *args):  # quiet
+        pass
+
+      def _any(self):
+        length = int(self.headers.get('Content-Length') or 0)
+        body = self.rfile.read(length) if length else b''
+        with proxy.lock:
+          proxy.counts[self.command] = proxy.counts.get(self.command, 0) + 1
+          proxy.bytes_in += len(body)
+          failing = proxy.failing > 0 and proxy.passing == 0
+          proxy.passing = max(0, proxy.passing - 1)
+          if failing:
+            proxy.failing -= 1
+        if failing:
+          payload = b'injected failure'
+          self.send_response(proxy.fail_status)
+          self.send_header('Content-Length', str(len(payload)))
+          self.end_headers()
+          self.wfile.write(payload)
+          return
+        deadline = time.monotonic() + proxy.stall_seconds
+        while time.monotonic() < deadline and proxy.stall_seconds:
+          time.sleep(0.05)
+        conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != 'host'}
+        headers['Host'] = f'{proxy.upstream[0]}:{proxy.upstream[1]}'
+        conn.request(self.command, self.path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        with proxy.lock:
+          proxy.bytes_out += len(data)
+        self.send_response(response.status, response.reason)
+        for k, v in response.getheaders():
+          if k.lower() not in ('transfer-encoding', 'connection', 'content-length'):
+            self.send_header(k, v)
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        if self.command != 'HEAD':
+          self.wfile.write(data)
+        conn.close()
+
+      do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _any
+
+    self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    self.server.daemon_threads = True
+    self.url = f'http://127.0.0.1:{self.server.server_address[1]}'
+    self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+  def fail(self, n: int, status: int = 503, after: int = 0) -> None:
+    with self.lock:
+      self.failing, self.fail_status, self.passing = n, status, after
+
+  def stall(self, seconds: float) -> None:
+    self.stall_seconds = seconds
+
+  def reset_counts(self) -> None:
+    with self.lock:
+      self.counts, self.bytes_in, self.bytes_out = {}, 0, 0
+
+  def __enter__(self) -> 'FaultProxy':
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stall_seconds = 0
+    self.server.shutdown()
+    self.server.server_close()
