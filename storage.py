@@ -161,9 +161,13 @@ def context() -> ts.Context:
   Created on first use, before tensorstore starts its HTTP transport, which
   reads the curl low-speed settings from the environment then.
   """
+  # tensorstore's own variables stand unless ours is set (a parent process that used
+  # storage passes its defaults on to its children, which must not mask their setting).
   stall = str(_env_int('OLMO_STORAGE_STALL_SECONDS', 60))
-  os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS', stall)
-  os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
+  set_value = os.environ.__setitem__ if 'OLMO_STORAGE_STALL_SECONDS' in os.environ else (
+      os.environ.setdefault)
+  set_value('TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS', stall)
+  set_value('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
   limit = _env_int('OLMO_STORAGE_CONCURRENCY', 32)
   retries = {'max_retries': _env_int('OLMO_STORAGE_RETRIES', 8), 'initial_delay': '0.5s',
              'max_delay': '32s'}

@@ -16,6 +16,7 @@ The independent facts: a run told from its start to skip [4, 7)
 itself; and data.Loader without skips.
 """
 
+import json
 import os
 import pathlib
 import signal
@@ -155,7 +156,7 @@ def test_spike_recovers_bit_identical_to_a_run_told_to_skip(recovered, poisoned_
                                                             poisoned_loss, tmp_path, capfd):
   workdir, state = recovered
   assert read_log(workdir) == [{
-      'attempt': 1, 'trigger_step': 6, 'restored_step': 4, 'skip': WINDOW,
+      'attempt': 1, 'trigger_step': 6, 'detected_step': 6, 'restored_step': 4, 'skip': WINDOW,
       'reason': read_log(workdir)[0]['reason'], 'lr_factor': 0.5, 'lr_steps': 2}]
   assert 'the CE loss of step 6' in read_log(workdir)[0]['reason']
   ckpts = workdir / 'checkpoints'
@@ -182,6 +183,41 @@ def test_spike_recovers_bit_identical_to_a_run_told_to_skip(recovered, poisoned_
     assert metrics[step]['train/rollbacks'] == (1.0 if step > 4 else 0.0)
     assert metrics[step]['data/skipped batches'] == (3.0 if step > 4 else 0.0)
   assert read_metrics(clean)[5]['optim/LR'] == metrics[5]['optim/LR']
+
+
+def test_a_trip_seen_at_a_later_log_step_names_the_spike_step(poisoned_files, poisoned_loss,
+                                                             tmp_path):
+  """Steps are judged at log steps: the spike of step 6 is seen at step 8 (log_every 4), and
+  the log names both; the window still covers every batch read through step 8."""
+  cfg = run_config(poisoned_files, **{'train.rollback_attempts': 3, 'train.log_every': 4,
+                                      'train.ckpt_every': 4})
+  train.train(cfg, str(tmp_path))
+  entry = read_log(tmp_path)[0]
+  assert (entry['trigger_step'], entry['detected_step'], entry['restored_step']) == (6, 8, 4)
+  assert 'the CE loss of step 6' in entry['reason']
+  assert entry['skip'] == [4, 9]  # batches of steps 5-8, plus rollback_margin=1
+
+
+def test_rolled_back_states_past_keep_rolledback_are_deleted(poisoned_files, tmp_path):
+  """Two logged rollbacks to step 1; keep_rolledback=1 keeps the newest attempt's states."""
+  directory = str(tmp_path / 'checkpoints')
+  entries = [{'attempt': a, 'trigger_step': 9, 'detected_step': 9, 'reason': 'r',
+              'restored_step': 1, 'skip': [1, 3], 'lr_factor': 1.0, 'lr_steps': 0, 'time': 0.0}
+             for a in (1, 2)]
+  state = {'w': np.arange(4, dtype=np.float32)}
+  with checkpoint.Checkpointer(directory, keep_last=10, fsync=False) as ckpt:
+    for step, known in ((1, []), (2, []), (3, []), (4, entries[:1])):
+      ckpt.save(step, state, {'rollbacks': known})
+      ckpt.wait()
+    (tmp_path / rollback.LOG).write_text(''.join(json.dumps(e) + '\n' for e in entries))
+    cfg = run_config(poisoned_files, **{'train.rollback_attempts': 3,
+                                        'train.keep_rolledback': 1})
+    rollback.Recovery(cfg, str(tmp_path), ckpt)
+  assert sorted(os.listdir(directory)) == ['rolledback.step_4.2', 'step_1']
+  cfg.train.keep_rolledback = 0
+  with checkpoint.Checkpointer(directory, fsync=False) as ckpt:
+    rollback.Recovery(cfg, str(tmp_path), ckpt)
+  assert sorted(os.listdir(directory)) == ['step_1']
 
 
 def test_recovery_off_stops_as_before(poisoned_files, poisoned_loss, tmp_path, capfd):

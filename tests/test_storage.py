@@ -298,5 +298,5 @@ def test_a_stalled_server_is_abandoned_not_waited_on(s3_server):
     result, seconds = save_through(proxy, s3_server[1], 1, fault=lambda p: p.stall(120),
                                    OLMO_STORAGE_STALL_SECONDS='2', OLMO_STORAGE_RETRIES='1')
   assert result.startswith('failed:')
-  assert seconds < 100
+  assert seconds < 60  # the stall lasts 120 s: only aborting it ends the save sooner
   assert step_dirs.committed_steps(directory) == []
