@@ -39,7 +39,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from typing import Any
@@ -51,6 +50,7 @@ import numpy as np
 import tensorstore as ts
 
 import chunk_store
+import errors
 from chunk_store import (CHECKSUM, FORMAT_VERSION, METADATA, Box, CheckpointReadError,
                          CorruptCheckpointError)
 from host_sync import Sync
@@ -396,19 +396,26 @@ def _target_spec(name: str, leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
                    'ShapeDtypeStruct, numpy array or Python scalar.')
 
 
+_SHAPE_FIX = ('Check the model config: a changed shape (vocab, widths, layers) cannot be '
+              'resumed, even with train.allow_config_change; start a new workdir, with '
+              '--config.train.init_from=<this checkpoint> to take the weights that still fit.')
+
+
 def _check_match(path: str, names: list[str], specs: list[tuple], stored: dict) -> None:
+  """A target that does not fit the checkpoint: a config mistake (errors.ConfigError, a
+  ValueError), raised before any chunk is read."""
   missing = [n for n in names if n not in stored]
   extra = sorted(set(stored) - set(names))
   if missing or extra:
-    raise ValueError(f'Checkpoint {path} does not match the target tree: arrays '
-                     f'missing from the checkpoint {missing}, arrays in the checkpoint '
-                     f'but not in the target {extra}. Check the model config.')
+    raise errors.ConfigError(f'Checkpoint {path} does not match the target tree: arrays '
+                             f'missing from the checkpoint {missing}, arrays in the checkpoint '
+                             f'but not in the target {extra}. {_SHAPE_FIX}')
   for name, (shape, dtype, _) in zip(names, specs):
     saved_shape = tuple(stored[name]['shape'])
     saved_dtype = ts.dtype(stored[name]['dtype']).numpy_dtype
     if shape != saved_shape:
-      raise ValueError(f'Array {name}: checkpoint {path} has shape {saved_shape}, '
-                       f'the target has {shape}. Check the model config.')
+      raise errors.ConfigError(f'Array {name}: checkpoint {path} has shape {saved_shape}, '
+                               f'the target has {shape}. {_SHAPE_FIX}')
     floats = all(jnp.issubdtype(d, jnp.floating) for d in (saved_dtype, dtype))
     if dtype is not None and dtype != saved_dtype and not floats:
       raise ValueError(f'Array {name}: checkpoint dtype {saved_dtype} cannot be '

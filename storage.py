@@ -206,17 +206,6 @@ def kvstore_spec(location: str) -> dict[str, Any]:
   return spec
 
 
-def _root(location: str) -> tuple[dict[str, Any], str]:
-  """(spec of the store's root, key of `location` in it)."""
-  s = scheme(location)
-  if s in READ_SCHEMES:
-    spec = kvstore_spec(location)
-    return {'driver': 'http', 'base_url': spec['base_url']}, spec['path']
-  spec = kvstore_spec(location)
-  key = spec.pop('path')
-  return spec, key
-
-
 @functools.lru_cache(maxsize=64)
 def _open(root: str, gcs_url: str | None) -> ts.KvStore:
   del gcs_url  # part of the cache key: tensorstore reads it when a gcs store opens
@@ -225,15 +214,13 @@ def _open(root: str, gcs_url: str | None) -> ts.KvStore:
   return ts.KvStore.open(spec, context=ctx).result()
 
 
-def _store(location: str) -> tuple[ts.KvStore, str]:
-  spec, key = _root(location)
-  return _open(json.dumps(spec, sort_keys=True), os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
-
-
 def kvstore(location: str) -> tuple[ts.KvStore, str]:
-  """(the opened store holding a URL, its key there): to issue many reads at once as futures
+  """(the opened store holding `location` at its root, the key of `location` in it). Stores
+  are opened once and shared; callers may issue many reads at once as futures
   (remote_tokens.py reads a batch's byte ranges this way)."""
-  return _store(location)
+  spec = kvstore_spec(location)
+  key = spec.pop('path')
+  return _open(json.dumps(spec, sort_keys=True), os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
 
 
 class StorageError(OSError):
@@ -260,7 +247,7 @@ def read(location: str) -> bytes | None:
 
 def read_versioned(location: str) -> tuple[bytes | None, bytes]:
   """(contents or None, generation): the generation to pass to write(if_generation=)."""
-  store, key = _store(location)
+  store, key = kvstore(location)
   try:
     r = store.read(key).result()
   except ValueError as e:
@@ -279,7 +266,7 @@ def read_range(location: str, start: int, stop: int) -> bytes:
     with open(location, 'rb') as f:
       f.seek(start)
       return f.read(stop - start)
-  store, key = _store(location)
+  store, key = kvstore(location)
   try:
     r = store.read(key, byte_range=slice(start, stop)).result()
   except ValueError as e:
@@ -301,7 +288,7 @@ def size(location: str) -> int | None:
       return os.path.getsize(location) if os.path.isfile(location) else None
     except OSError:
       return None
-  store, key = _store(location)
+  store, key = kvstore(location)
 
   def probe(offset: int) -> bool | int:  # True: byte exists; False: past the end; int: size
     try:
@@ -348,7 +335,7 @@ def write(location: str, data: bytes, if_generation: bytes | None = None) -> byt
   """Writes an object (whole, atomically); with `if_generation`, only if it is still at
   that generation (MISSING: absent). Returns the new generation, or None when the
   condition failed. Object stores only."""
-  store, key = _store(location)
+  store, key = kvstore(location)
   try:
     stamp = store.write(key, data, if_equal=if_generation).result()
   except ValueError as e:
@@ -428,7 +415,7 @@ def _prefix(location: str) -> str:
 
 def list_keys(location: str) -> list[str]:
   """Every key under the prefix `location`/, relative to it, sorted (object stores)."""
-  store, key = _store(_prefix(location))
+  store, key = kvstore(_prefix(location))
   try:
     keys = store.list(ts.KvStore.KeyRange(key, key[:-1] + '0'),
                       strip_prefix_length=len(key)).result()
@@ -466,7 +453,7 @@ def delete(location: str) -> None:
     except FileNotFoundError:
       pass
     return
-  store, key = _store(location)
+  store, key = kvstore(location)
   try:
     store.write(key, None).result()
   except ValueError as e:
@@ -485,7 +472,7 @@ def delete_tree(location: str, first: tuple[str, ...] = ()) -> None:
     return
   for name in first:
     delete(join(location, name))
-  store, key = _store(_prefix(location))
+  store, key = kvstore(_prefix(location))
   try:
     store.delete_range(ts.KvStore.KeyRange(key, key[:-1] + '0')).result()
   except ValueError as e:

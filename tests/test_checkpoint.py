@@ -245,7 +245,9 @@ def test_mismatch_errors_name_the_array(tmp_path):
   target = _target(ref, _replicated_on(1))
   target['params']['dense']['W_RC'] = jax.ShapeDtypeStruct(
       (16, 13), np.float32, sharding=_replicated_on(1)('W_RC', 2))
-  with pytest.raises(ValueError, match=r'params/dense/W_RC.*\(16, 12\).*\(16, 13\)'):
+  # A config mistake (one line, exit 2 in train.py), which allow_config_change cannot waive.
+  with pytest.raises(errors.ConfigError, match=r'params/dense/W_RC.*\(16, 12\).*\(16, 13\)'
+                     r'.*even with train.allow_config_change'):
     checkpoint.restore(str(tmp_path), target)
   target['params']['dense']['W_RC'] = jax.ShapeDtypeStruct((16, 12), np.float32)
   with pytest.raises(ValueError, match=r'params/dense/W_RC: sharding None'):
