@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from errors import DataError
+from errors import ConfigError, DataError
 import loss
 
 
@@ -112,9 +112,11 @@ def batch_positions(global_batch_size: int, num_shards: int) -> np.ndarray:
   instances, in its order (NumpyFSLDataLoader._get_local_instance_indices). The
   set of instances in a step never depends on W; only which device gets which.
   """
-  if global_batch_size % num_shards:
-    raise DataError(f'global_batch_size {global_batch_size} is not divisible by the {num_shards} '
-                    'devices that split the batch; use a multiple of the data-parallel size.')
+  if global_batch_size % num_shards:  # a setting, not the data: EXIT_USAGE
+    raise ConfigError(f'data.global_batch_size={global_batch_size} is not divisible by the '
+                      f'{num_shards} devices that split the batch; set '
+                      '--config.data.global_batch_size to a multiple of the data-parallel size '
+                      '(or run on a device count that divides it).')
   return np.arange(global_batch_size).reshape(-1, num_shards).T.reshape(-1)
 
 
@@ -139,13 +141,17 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
 
 
 def grad_accum_steps(global_batch_size: int, num_shards: int, micro_batch_size: int) -> int:
-  """Micro-batches per step: B / W / micro_batch_size, with an error if it does not divide."""
+  """Micro-batches per step: B / W / micro_batch_size; a ConfigError (EXIT_USAGE) naming the
+  fields if it does not divide: the settings are wrong, not the data."""
   per_shard = global_batch_size // num_shards
   batch_positions(global_batch_size, num_shards)  # raises if W does not divide B
   if micro_batch_size <= 0 or per_shard % micro_batch_size:
-    raise DataError(f'{per_shard} instances per device (global batch {global_batch_size} / '
-                    f'{num_shards} devices) is not a multiple of micro_batch_size '
-                    f'{micro_batch_size}; pick cfg.train.micro_batch_size dividing it.')
+    fits = [m for m in range(1, per_shard + 1) if per_shard % m == 0]
+    raise ConfigError(f'{per_shard} instances per device (data.global_batch_size='
+                      f'{global_batch_size} / {num_shards} devices) is not a multiple of '
+                      f'micro_batch_size {micro_batch_size}; set '
+                      f'--config.train.micro_batch_size to one of {fits} (or change '
+                      'data.global_batch_size or the device count).')
   return per_shard // micro_batch_size
 
 

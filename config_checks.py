@@ -2,19 +2,23 @@
 
 - `complete`: fills in what the config leaves to the data (the tokenizer's
   vocab size and ids, its file, the held-out set, the padded model vocab)
-  from the mix's own description, and refuses a stated value that
-  contradicts it. Entry points run it first, then `validate`.
+  from the mix's own description, says in one line what it filled in and
+  from where, and refuses a stated value that contradicts it (a tokenizer
+  file with another vocabulary too) and a held-out file that is also a
+  training file. Entry points run it first, then `validate`.
 - `validate`: every field's rule (model, optimizer, train loop, data
   settings), checked once, by the entry point, before anything is built or
   written. A broken rule is an errors.ConfigError naming the field and the fix.
-- Resuming: every config field changed since the checkpoint is logged, and a
-  change that makes it another run (shapes, data, seeds) is refused.
+- Resuming: every config field changed since the checkpoint is logged (a path
+  spelled differently but naming the same file is no change), and a change
+  that makes it another run (shapes, data, seeds) is refused.
 - The command line: a misspelled --config.* field or a missing config file
   becomes one line naming the fix, for train.py, plan.py and the scripts.
 """
 
 import contextlib
 import difflib
+import filecmp
 import importlib.util
 import json
 import os
@@ -27,7 +31,9 @@ import errors
 import kernels
 import model
 import optim
+import profiler
 import token_files
+import tracking
 
 # --- What the data says about itself ---------------------------------------------------
 
@@ -35,7 +41,8 @@ TOKENIZER_FIELDS = ('vocab_size', 'eos_token_id', 'pad_token_id', 'bos_token_id'
 VOCAB_MULTIPLE = 128  # OLMo-core pads the embedding to a multiple of 128 (dolma2: 100,352)
 
 
-def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def complete(cfg: ml_collections.ConfigDict, announce: bool = True
+             ) -> ml_collections.ConfigDict:
   """Fills cfg.data's tokenizer settings, tokenizer file and held-out set in from its mix file.
 
   A mix written by scripts/prepare_data.py says which tokenizer made it (its
@@ -43,10 +50,14 @@ def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   mixes say neither, and their configs state the values. For each of
   data.vocab_size, eos_token_id, pad_token_id and bos_token_id: an unset
   (None) field takes the mix's value; a set one must equal it. Then an unset
-  data.tokenizer takes the mix's tokenizer file, empty data.validation_paths
-  the mix's held-out files, and an unset model.vocab_size data.vocab_size
-  padded to a multiple of 128. Idempotent; returns `cfg`, changed in place.
-  Raises errors.ConfigError (a contradiction, or a value nothing states) or
+  data.tokenizer takes the mix's tokenizer file (a stated one must be that
+  tokenizer: the same file, a copy, or the same vocabulary), empty
+  data.validation_paths the mix's held-out files (no held-out file may be a
+  training file), and an unset model.vocab_size data.vocab_size padded to a
+  multiple of 128. With `announce`, what it filled in and from where is one
+  line on stdout and in the log. Idempotent (a second call fills nothing in
+  and says nothing); returns `cfg`, changed in place. Raises
+  errors.ConfigError (a contradiction, or a value nothing states) or
   errors.DataError (a mix that cannot be read).
   """
   d = cfg.data
@@ -64,10 +75,13 @@ def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   described = header['tokenizer'] or {}
   where = (f'the mix file {d.mix_file} (tokenizer {described.get("name")!r})' if described else
            f'the mix file {d.mix_file}' if d.mix_file else 'data.paths')
+  filled = []  # 'field=value' for each field filled in here
   for field in TOKENIZER_FIELDS:
     stated, theirs = d[field], described.get(field)
     if field in described and stated is None:
       d[field] = theirs
+      if theirs is not None:
+        filled.append(f'data.{field}={theirs}')
     elif field in described and stated != theirs:
       raise errors.ConfigError(
           f'data.{field}={stated} contradicts {where}, whose tokens were made with '
@@ -80,11 +94,110 @@ def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           'file records it.')
   if not d.tokenizer and described.get('file'):
     d.tokenizer = described['file']
+    filled.append(f'data.tokenizer={d.tokenizer}')
+  elif d.tokenizer and described:
+    why = tokenizer_mismatch(d.tokenizer, described)
+    if why:
+      raise errors.ConfigError(
+          f'data.tokenizer={d.tokenizer} contradicts {where}: {why}. Drop the override (the '
+          f'mix fills in {described.get("file") or "its tokenizer"}), or use a mix tokenized '
+          f'with {d.tokenizer} (scripts/prepare_data.py --tokenizer={d.tokenizer}).')
   if not d.validation_paths and header['validation']:
     d.validation_paths = tuple(path for path, _ in header['validation'])
+    shown = ', '.join(os.path.basename(p) for p in d.validation_paths[:3])
+    more = f', ... ({len(d.validation_paths)} files)' if len(d.validation_paths) > 3 else ''
+    filled.append(f'data.validation_paths=({shown}{more}, in '
+                  f'{os.path.dirname(d.validation_paths[0])})')
+  check_held_out(d)
+  padded = ''
   if cfg.model.vocab_size is None:
     cfg.model.vocab_size = -(-d.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    padded = (f'model.vocab_size={cfg.model.vocab_size} (data.vocab_size padded to a multiple '
+              f'of {VOCAB_MULTIPLE})')
+  if announce and (filled or padded):
+    message = f'Filled in from {where}: {", ".join(filled)}' if filled else ''
+    if padded:
+      message = (message + '; ' if message else 'Filled in: ') + padded
+    logging.info('%s.', message)
+    print(f'{message}.', flush=True)
   return cfg
+
+
+def _is_url(path: str) -> bool:
+  return '://' in path
+
+
+def _vocabulary(path: str, what: str = 'data.tokenizer') -> dict[str, int]:
+  """{token: id} of a HuggingFace tokenizer.json, added tokens included."""
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel  # only for a check
+  try:
+    return Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
+  except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+    fix = ('point --config.data.tokenizer at one, or drop it (a mix written by '
+           'scripts/prepare_data.py fills it in)' if what == 'data.tokenizer' else
+           'restore it, or rewrite the mix with scripts/prepare_data.py')
+    raise errors.ConfigError(f'{what}={path} is not a HuggingFace tokenizer.json ({e}); '
+                             f'{fix}.') from e
+
+
+def tokenizer_mismatch(stated: str, described: dict[str, Any]) -> str | None:
+  """Why the tokenizer file `stated` is not the one a mix's `# tokenizer` line describes.
+
+  None when it is: the same file (after resolving the paths), a byte-identical
+  copy, or a file with the same vocabulary (token -> id, added tokens
+  included). Where the mix's own file is not on this machine, its recorded ids
+  must at least name tokens of `stated` and fit its vocab_size. None also when
+  `stated` is not here to read (sample.py then says it cannot decode).
+  """
+  theirs = described.get('file') or ''
+  if _is_url(stated) or not os.path.isfile(stated):
+    return None
+  if theirs and not _is_url(theirs) and os.path.isfile(theirs):
+    if (os.path.realpath(stated) == os.path.realpath(theirs)
+        or filecmp.cmp(stated, theirs, shallow=False)):
+      return None
+    ours, mix = _vocabulary(stated), _vocabulary(theirs, "the mix's tokenizer file")
+    if ours == mix:
+      return None
+    return (f'the mix\'s tokens were made with {theirs} ({len(mix):,} tokens), and '
+            f'{stated} has another vocabulary ({len(ours):,} tokens)')
+  vocab = _vocabulary(stated)
+  ids = set(vocab.values())
+  size = described.get('vocab_size')
+  missing = [f'{f}={described[f]}' for f in ('eos_token_id', 'pad_token_id')
+             if described.get(f) is not None and described[f] not in ids]
+  if missing or (size is not None and len(vocab) > size):
+    return (f'the mix\'s tokens were made with {described.get("name")!r} (vocab_size={size}'
+            f'{", " + ", ".join(missing) if missing else ""}), and {stated} has '
+            f'{len(vocab):,} tokens{" without " + " or ".join(missing) if missing else ""}')
+  return None
+
+
+def _resolved(path: str) -> str:
+  """A path as the file system resolves it (symlinks, `..`, the working directory); a URL
+  as it is spelled."""
+  return path if _is_url(path) else os.path.realpath(path)
+
+
+def check_held_out(cfg_data: ml_collections.ConfigDict) -> None:
+  """Refuses data.validation_paths naming a training file: its loss is not held out.
+
+  Files are compared after resolving their paths (as the datasets resolve them:
+  base_dir, path_remap), URLs as spelled. Raises errors.ConfigError.
+  """
+  if not cfg_data.validation_paths or bool(cfg_data.mix_file) == bool(cfg_data.paths):
+    return  # no training files to compare with, or both kinds: the dataset refuses that
+  training, _, _, source = token_files.config_sources(cfg_data)
+  held, *_ = token_files.config_sources(cfg_data, paths=list(cfg_data.validation_paths))
+  trained = {_resolved(p) for p in training}
+  both = [p for p in held if _resolved(p) in trained]
+  if both:
+    more = f' (and {len(both) - 1} more)' if len(both) > 1 else ''
+    raise errors.ConfigError(
+        f'data.validation_paths holds {both[0]}{more}, which is also a training file of '
+        f'{source}: its "validation loss" would be measured on data the model trains on. Set '
+        '--config.data.validation_paths to held-out files only (for a scripts/prepare_data.py '
+        'mix, drop the override: its own held-out files are filled in).')
 
 
 # --- Validation -------------------------------------------------------------------------
@@ -100,8 +213,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     model.validate(cfg.model)
     optim.check_config(cfg.opt)
     kernels.context_parallel.check_seq_len(cfg.data.seq_len, cfg.train.mesh_context)
+    profiler.check_config(cfg.train)  # train.profile_steps, profile_hosts
+    tracking.check_config(cfg.train)  # train.wandb
   except ValueError as e:
     raise errors.ConfigError(str(e)) from e
+  check_validation_sets(cfg.data)
   if cfg.data.vocab_size > cfg.model.vocab_size:
     raise errors.ConfigError(
         f'data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size='
@@ -122,6 +238,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
       ('memorization_evals', t.memorization_evals >= 2, 'an integer >= 2'),
       ('rollback_attempts', t.rollback_attempts >= 0, 'an integer >= 0 (0: stop at a trip)'),
       ('rollback_margin', t.rollback_margin >= 0, 'an integer >= 0 (batches after the trip)'),
+      ('keep_rolledback', t.keep_rolledback >= 0,
+       'an integer >= 0 (rollback attempts whose set-aside states are kept)'),
       ('rollback_lr_factor', 0 < t.rollback_lr_factor <= 1,
        'a number in (0, 1] (1: the schedule\'s LR)'),
       ('rollback_lr_steps', t.rollback_lr_steps >= 0, 'an integer >= 0'),
@@ -133,6 +251,26 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if not holds:
       raise errors.ConfigError(f'cfg.train.{field}={t[field]!r} must be {rule}; set '
                                f'--config.train.{field} to such a value.')
+  from evaluation import olmo_eval_requests  # pylint: disable=import-outside-toplevel
+  olmo_eval_requests.check_config(cfg)  # train.eval_tasks and the downstream_eval_* fields
+
+
+def check_validation_sets(cfg_data: ml_collections.ConfigDict) -> None:
+  """data.validation_sets: {name: (token files, ...)}, each name a metric path segment
+  (eval/lm/<name>/CE loss). Raises errors.ConfigError."""
+  for name, paths in cfg_data.validation_sets.items():
+    paths = tuple(paths) if isinstance(paths, (tuple, list)) else paths
+    why = ('its name is empty' if not name else
+           'its name holds a "/" (it becomes eval/lm/<name>/CE loss)' if '/' in name else
+           "'validation' names data.validation_paths" if name == 'validation' else
+           'it names no token files' if not isinstance(paths, tuple) or not paths else
+           'its paths must be non-empty strings'
+           if not all(isinstance(p, str) and p for p in paths) else None)
+    if why:
+      raise errors.ConfigError(
+          f'data.validation_sets[{name!r}]={paths!r}: {why}; give each set a name without "/" '
+          "and a tuple of token files, e.g. --config.data.validation_sets=\"{'c4_en-validation':"
+          " ('/data/c4_en_val.npy',)}\".")
 
 
 def _skip_window_ok(window: Any) -> bool:
@@ -157,6 +295,9 @@ RUN_DEFINING_FIELDS = (*(f'model.{f}' for f in model.ARCHITECTURE_FIELDS),
                        'data.mix_file', 'data.base_dir', 'data.seq_len',
                        'data.global_batch_size', 'data.seed', 'train.seed')
 ABSENT = '(absent)'  # a field one side's code did not have
+# Fields holding file paths: `runs/x/corpus.txt` and `$PWD/runs/x/corpus.txt` are one file.
+PATH_FIELDS = ('data.mix_file', 'data.base_dir', 'data.paths', 'data.validation_paths',
+               'data.tokenizer', 'data.cache_dir', 'train.init_from')
 
 
 def _flat(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
@@ -178,7 +319,18 @@ def config_changes(saved: dict[str, Any], cfg: ml_collections.ConfigDict
   """
   old, new = _flat(saved), _flat(json.loads(json.dumps(cfg.to_dict())))
   pairs = {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())}
-  return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
+  return {k: (a, b) for k, (a, b) in pairs.items()
+          if a != b and not (k in PATH_FIELDS and _same_paths(a, b))}
+
+
+def _same_paths(a: Any, b: Any) -> bool:
+  """Whether two spellings of a path (or of a list of paths) name the same files, resolved
+  against this working directory ('' names no file: it equals only '')."""
+  if isinstance(a, str) and isinstance(b, str):
+    return bool(a) and bool(b) and _resolved(a) == _resolved(b)
+  if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+    return all(x == y or _same_paths(x, y) for x, y in zip(a, b))
+  return False
 
 
 def check_same_run(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ Given the same token files, mix and seed, the batch for step k is the one
 OLMo-core's `NumpyFSLDataset` + `NumpyFSLDataLoader` produced at that step,
 instance for instance (docs/data.md):
 
-  files   raw little-endian uint32 tokens, read by memory map; file f gives
+  files   raw little-endian uint32 tokens, read by memory map (gs://, s3://,
+          http(s):// files by byte range: remote_tokens.py); file f gives
           n_f = tokens_f // T instances (remainder dropped) and owns the global
           ids [sum_{g<f} n_g, sum_{g<=f} n_g), files in mix order.
   order   epoch e (from 1): PCG64(seed + e) shuffle of arange(N, uint32), cached
@@ -28,7 +29,7 @@ data-parallel and host split of the global batch):
   Loader                                the prefetching iterator train.py runs.
   held_out_batches, validation_batches  the fixed held-out batches.
   check_same_data, check_position       what a resume refuses.
-  Skips                                 global batches a run skips (rollback.py).
+  Skips (skips.py)                      global batches a run skips (rollback.py).
   permutation, global_batch_ids         the global order.
   Dataset                               the FSL dataset (stages 1-2).
 
@@ -52,6 +53,7 @@ import numpy as np
 import batches
 from errors import DataError
 import packed
+from skips import Skips  # data.Skips: the skipped global batches (rollback.py)
 import token_files
 
 
@@ -262,7 +264,7 @@ def held_out_batches(cfg_data: Any, divisor: Any) -> list[dict[str, np.ndarray]]
   seq_len, or than one such batch, is skipped with a warning, never an error.
   """
   paths = list(cfg_data.validation_paths)
-  longest = max([token_files.inspect_file(p).num_tokens for p in paths], default=0)
+  longest = max([f.num_tokens for f in token_files.inspect_files(paths, sample=False)], default=0)
   if longest < cfg_data.seq_len:
     logging.warning('No held-out set of seq_len=%d tokens (%s): validation loss is not '
                     'measured. Set --config.data.validation_paths, or prepare the data with '
@@ -328,7 +330,7 @@ def check_same_data(state: dict[str, Any], ds: Dataset, allow_changed: bool = Fa
   message = (f"the data differs from the checkpoint's (fingerprint {state.get('fingerprint')} -> "
              f'{ds.fingerprint}): ' + '; '.join(problems[:10]) + more
              + '. Resuming would change the data order. Restore the original files, or pass '
-             'allow_changed=True (cfg.data.allow_data_change) to resume anyway.')
+             '--config.data.allow_data_change=True to resume anyway.')
   if not allow_changed:
     raise DataError(message)
 
@@ -379,55 +381,6 @@ def check_position(state: dict[str, Any], ds: Dataset, steps_done: int, *,
                   'window was added behind it. Restore the original metadata.json (or '
                   'train.skip_batches), or move that step_N directory aside to resume from '
                   'an earlier checkpoint.')
-
-
-class Skips:
-  """A set of skipped global batches: the union of [start, stop) windows.
-
-  A global batch index counts batches across epochs: (epoch - 1) * n + step
-  for n batches per epoch. Optimizer step k + 1 reads the k-th (0-based)
-  index outside the windows, `nth(k)`; without windows, k itself.
-  """
-
-  def __init__(self, windows: Sequence[Sequence[int]] = ()):
-    merged: list[list[int]] = []
-    for start, stop in sorted((int(a), int(b)) for a, b, *_ in windows):
-      if not 0 <= start < stop:
-        raise DataError(f'skip window [{start}, {stop}) must have 0 <= start < stop.')
-      if merged and start <= merged[-1][1]:  # overlapping or adjacent: one window
-        merged[-1][1] = max(merged[-1][1], stop)
-      else:
-        merged.append([start, stop])
-    self.windows = merged
-
-  def __bool__(self) -> bool:
-    return bool(self.windows)
-
-  def __str__(self) -> str:
-    return ', '.join(f'[{a}, {b})' for a, b in self.windows) or 'none'
-
-  def advance(self, index: int) -> int:
-    """The first global batch >= `index` outside every window."""
-    for start, stop in self.windows:
-      if start <= index < stop:
-        return stop
-    return index
-
-  def nth(self, k: int) -> int:
-    """The global batch optimizer step k + 1 reads: the k-th (0-based) one outside the windows."""
-    for start, stop in self.windows:
-      if k < start:
-        break
-      k += stop - start  # every window that starts at or before it pushes it on
-    return k
-
-  def skipped_before(self, index: int) -> int:
-    """How many skipped global batches lie below `index`."""
-    return sum(max(0, min(stop, index) - start) for start, stop in self.windows)
-
-  def count_before(self, index: int) -> int:
-    """Optimizer steps done when the run reaches global batch `index`: those read below it."""
-    return index - self.skipped_before(index)
 
 
 # ----------------------------------------------------------------------------
@@ -521,8 +474,11 @@ class Dataset:
   def __init__(self, paths: Sequence[str], *, seq_len: int, vocab_size: int, eos_token_id: int,
                pad_token_id: int, bos_token_id: int | None = None,
                max_target_sequence_length: int | None = -1, labels: Sequence[str] | None = None,
-               listed_sizes: Sequence[int | None] | None = None, source: str = 'cfg.data.paths'):
-    """Builds the dataset; `max_target_sequence_length=-1` means seq_len (Ai2's setting)."""
+               listed_sizes: Sequence[int | None] | None = None, source: str = 'cfg.data.paths',
+               remote_cache_dir: str = ''):
+    """Builds the dataset; `max_target_sequence_length=-1` means seq_len (Ai2's setting).
+    Remote files (gs://, s3://, http(s)://) are read by byte range, kept in
+    `remote_cache_dir` when given (docs/data.md, remote data)."""
     if not paths:
       raise DataError(f'{source} is empty: the dataset needs at least one token file.')
     if seq_len <= 0:
@@ -533,10 +489,8 @@ class Dataset:
       raise DataError(f'max_target_sequence_length={max_target_sequence_length} != seq_len='
                       f"{seq_len}: OLMo-core's sequence-length warm-up chunking is not supported; "
                       'use None or seq_len.')
-    labels = labels or [''] * len(paths)
-    listed_sizes = listed_sizes or [None] * len(paths)
-    self.files = tuple(token_files.inspect_file(p, l, s, vocab_size)
-                       for p, l, s in zip(paths, labels, listed_sizes))
+    self.files = token_files.inspect_files(paths, labels, listed_sizes, vocab_size,
+                                           cache_dir=remote_cache_dir)
     self.seq_len = seq_len
     self.vocab_size = vocab_size
     self.eos_token_id = eos_token_id
@@ -553,7 +507,7 @@ class Dataset:
                       'data.')
     if self.num_instances >= np.iinfo(np.uint32).max:
       raise DataError(f'{self.num_instances} instances do not fit OLMo-core\'s uint32 order.')
-    self.maps = token_files.TokenMaps(self.files)
+    self.maps = token_files.open_tokens(self.files, remote_cache_dir)
 
   @classmethod
   def from_config(cls, cfg_data: Any, paths: Sequence[str] | None = None) -> 'Dataset':
@@ -563,7 +517,8 @@ class Dataset:
                eos_token_id=cfg_data.eos_token_id, pad_token_id=cfg_data.pad_token_id,
                bos_token_id=cfg_data.bos_token_id,
                max_target_sequence_length=cfg_data.max_target_sequence_length,
-               labels=labels, listed_sizes=sizes, source=source)
+               labels=labels, listed_sizes=sizes, source=source,
+               remote_cache_dir=cfg_data.get('remote_cache_dir', ''))
 
   @property
   def fingerprint_fields(self) -> dict[str, Any]:
@@ -589,11 +544,10 @@ class Dataset:
     raw_nT = tokens_nT.view(np.uint32)  # same-width copy (memcpy); ids >= 2^31 fail the check below
     file_of = np.searchsorted(self.starts, ids, side='right') - 1
     start_n = (ids - self.starts[file_of]) * T
-    order = np.argsort(file_of, kind='stable')  # file by file
-    for k in order:  # first queue every instance's read, so the kernel has them all in flight
-      self.maps.will_need(int(file_of[k]), int(start_n[k]), T)
-    for k in order:
-      raw_nT[k] = self.maps.tokens(int(file_of[k]))[start_n[k]:start_n[k] + T]
+    # Every instance's read is in flight before any is copied (page faults, or remote requests).
+    for k, tokens in enumerate(self.maps.read_many(list(zip(file_of.tolist(), start_n.tolist(),
+                                                            [T] * ids.size)))):
+      raw_nT[k] = tokens
     if raw_nT.size and raw_nT.max() >= self.vocab_size:
       k, t = np.argwhere(raw_nT >= self.vocab_size)[0]
       raise token_files.vocab_error(self.files[file_of[k]].path, raw_nT[k, t], start_n[k] + t,
@@ -602,4 +556,4 @@ class Dataset:
 
   def check_tokens(self, chunk_tokens: int = 1 << 24) -> None:
     """Scans every token of every file against vocab_size (a full read; use offline)."""
-    self.maps.check_tokens(self.vocab_size, chunk_tokens)
+    token_files.check_tokens(self.maps, self.vocab_size, chunk_tokens)

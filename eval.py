@@ -27,7 +27,10 @@ Without --output, results go beside the model, never into the working
 directory: DIR/../eval_results/<name>[_step<N>].json (+ .txt table; the harness
 suite adds _harness), where <name> is DIR's own name, or the workdir's for
 train.py's WORKDIR/checkpoints (so WORKDIR/eval_results/<workdir>_step<N>.json);
-plots go beside --plot_ours. Each write is announced on stdout.
+plots go beside --plot_ours. Each write is announced on stdout. Where the
+report of the same model and step is already there, its other suites are kept
+(--suite=heldout after --suite=downstream: one report with both, each suite's
+dtype, max_length and time under 'suites'); a suite run again replaces its own.
 
 A mistake (a flag, a model path that is not an HF directory or a committed
 checkpoint, a default output place that cannot be written) is one `error:`
@@ -159,6 +162,43 @@ def write_output(path: str, text: str) -> None:
     f.write(text)
 
 
+def no_heldout_set(d) -> str:
+  """Why --suite=heldout has nothing to read, and how to give it something."""
+  if d is None:
+    return ('--suite=heldout needs --heldout_paths=FILE.npy,...: an HF model carries no data '
+            'config, so no held-out set of its own.')
+  where = (f'its mix {d.mix_file} lists no held-out files (no `# validation` line, or one with '
+           'none)' if d.mix_file else 'it trained on data.paths')
+  return (f'this run has no held-out set: {where} and data.validation_paths is empty. '
+          'prepare_data.py holds out every --validation_every-th document (100 by default; a '
+          'text file is one document), so a smaller corpus holds none. Pass '
+          '--heldout_paths=FILE.npy,... here, or rerun prepare_data.py with --validation_every=N '
+          '(e.g. 10) and train on that mix (or set --config.data.validation_paths).')
+
+
+def merge_earlier(report: dict, path: str) -> list[str]:
+  """Adds the suites an earlier report at `path` holds for the same model and step.
+
+  Each suite's settings are in report['suites'], so a suite carried over
+  keeps its own dtype, max_length and time. Returns the suites carried over.
+  """
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except (OSError, ValueError):
+    return []
+  same = (isinstance(earlier, dict) and earlier.get('checkpoint') == report['checkpoint']
+          and earlier.get('step') == report['step'])
+  if not same:
+    return []
+  settings = {k: earlier.get(k) for k in ('dtype', 'max_length', 'time')}
+  kept = [s for s in SUITES if s in earlier and s not in report]
+  for suite in kept:
+    report[suite] = earlier[suite]
+    report['suites'][suite] = earlier.get('suites', {}).get(suite, settings)
+  return kept
+
+
 def check_flags(selected: list[str]) -> None:
   """Every wrong combination becomes a UsageError before anything is loaded."""
   if FLAGS.offline_tasks:
@@ -278,9 +318,9 @@ def run_report(selected: list[str]) -> None:
   paths = FLAGS.heldout_paths
   if not paths and d and d.validation_paths:  # resolved as train.py resolves them
     paths = [f.path for f in data.Dataset.from_config(d, list(d.validation_paths)).files]
+  if 'heldout' in selected and not paths:
+    raise errors.UserError(no_heldout_set(d))
   if 'heldout' in selected:
-    if not paths:
-      raise app.UsageError('--suite=heldout needs --heldout_paths (HF models have no data config).')
     report['heldout'] = suites.heldout_loss(
         lm, paths, seq_len=FLAGS.heldout_seq_len or (d.seq_len if d else 2048),
         batch_size=FLAGS.heldout_batch_size or (d.global_batch_size if d else 8),
@@ -306,11 +346,15 @@ def run_report(selected: list[str]) -> None:
     report['compare'] = {'other': other, 'inputs': 'held-out' if paths else 'random',
                          **compare.compare_models(reference, compare.jax_logits_fn(lm), tokens)}
   report['throughput'] = {'scored_tokens': scorer.tokens, 'seconds': round(scorer.seconds, 2)}
+  settings = {k: report[k] for k in ('dtype', 'max_length', 'time')}
+  report['suites'] = {suite: settings for suite in SUITES if suite in report}
+  kept = merge_earlier(report, output)
   table = suites.format_report(report)
   print(table)
   write_output(output, json.dumps(report, indent=1))
   write_output(os.path.splitext(output)[0] + '.txt', table + '\n')
-  print(f'wrote {output} and its .txt table')
+  print(f'wrote {output} and its .txt table'
+        + (f" (kept the earlier {', '.join(kept)} results of this step)" if kept else ''))
 
 
 def main(argv: Sequence[str]) -> None:

@@ -9,17 +9,22 @@
   training CE falling away from held-out CE (memorization).
 - Preemption: SIGTERM/SIGINT stop the loop after the current step, with a
   checkpoint, on every process at the same step.
-- The heartbeat scripts/launch.py's stall watchdog reads.
+- The heartbeat scripts/launch.py's stall watchdog reads, and its pause
+  while the trainer compiles.
+- `warn`: a warning in the log and once on stderr.
 train.py calls them from its loop.
 """
 
+import contextlib
 import hashlib
+import logging as std_logging
 import os
 import signal
 import sys
 from typing import Any, NoReturn, Sequence
 
-from absl import logging
+from absl import flags, logging
+from absl.logging import converter
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
@@ -28,6 +33,7 @@ import numpy as np
 import checkpoint
 import errors
 import metrics
+import storage
 
 # --- Divergence -------------------------------------------------------------------------
 
@@ -55,6 +61,7 @@ class DivergenceGuard:
     self.max_loss, self.max_skips = cfg_train.max_loss, cfg_train.max_consecutive_skips
     self.skips = 0  # skipped steps in a row up to the last observed one
     self.reason: str | None = None  # why it tripped; None while it has not
+    self.trip_step: int | None = None  # the step it tripped at (<= the step that saw it)
 
   def observe(self, step: int, record: dict[str, float]) -> None:
     if self.reason:
@@ -62,9 +69,11 @@ class DivergenceGuard:
     self.skips = self.skips + 1 if record['optim/step skipped'] else 0
     loss = record['train/CE loss']
     if loss > self.max_loss:  # False for NaN: a NaN step is skipped and counted instead
+      self.trip_step = step
       self.reason = (f'the CE loss of step {step} is {loss:.4g}, above '
                      f'train.max_loss={self.max_loss:g}')
     elif self.skips >= self.max_skips:
+      self.trip_step = step
       self.reason = (f'steps {step - self.skips + 1}-{step} were all skipped (non-finite or '
                      f'spiking loss or gradient norm; train.max_consecutive_skips='
                      f'{self.max_skips})')
@@ -130,6 +139,11 @@ def duplicate_files(paths: Sequence[str], sample: int = 1 << 20) -> dict[int, in
   seen: dict[Any, int] = {}
   out = {}
   for j, path in enumerate(paths):
+    if storage.is_url(path):  # remote: the same URL twice (sampling every remote file's bytes
+      first = seen.setdefault(('path', path), j)  # would download gigabytes at each start)
+      if first != j:
+        out[j] = first
+      continue
     real, size = os.path.realpath(path), os.path.getsize(path)
     with open(path, 'rb') as f:
       parts = []
@@ -297,12 +311,50 @@ class MemorizationWatch:
                f'(to {t1:.3f}) but held-out CE {h0 - h1:.3f} (to {h1:.3f}); the gap widened by '
                f'{g1 - g0:.3f} nats > train.memorization_threshold={self.threshold:g}. Check '
                'data/repeated instances and run scripts/audit_data.py on this config.')
-    logging.warning(warning)
-    print(f'WARNING: {warning}', file=sys.stderr, flush=True)
+    warn(f'WARNING: {warning}')
     return {'guard/memorization': warning}
 
 
 # --- Stopping: preemption, the launcher's heartbeat -------------------------------------
+
+
+def warning_reaches_stderr() -> bool:
+  """Whether a logging.warning already shows on stderr: absl's handler writing there (its
+  default, before flags are parsed, with --logtostderr or --alsologtostderr, or at
+  --stderrthreshold), or a plain stream handler on stderr (Python's last resort when
+  nothing is configured)."""
+  handlers, logger = [], std_logging.getLogger('absl')
+  while logger:
+    handlers += logger.handlers
+    logger = logger.parent if logger.propagate else None
+  if not handlers:
+    return std_logging.WARNING >= std_logging.lastResort.level
+  absl_handler = logging.get_absl_handler()
+  for handler in handlers:
+    if handler is absl_handler:
+      if not flags.FLAGS.is_parsed() or flags.FLAGS['logtostderr'].value:
+        return True
+      threshold = converter.string_to_standard(flags.FLAGS['stderrthreshold'].value)
+      if (handler.python_handler.stream in (sys.stderr, sys.__stderr__)
+          or flags.FLAGS['alsologtostderr'].value or std_logging.WARNING >= threshold):
+        return True
+    elif (type(handler) is std_logging.StreamHandler  # pylint: disable=unidiomatic-typecheck
+          and handler.stream in (sys.stderr, sys.__stderr__)
+          and handler.level <= std_logging.WARNING):
+      return True
+  return False
+
+
+def warn(message: str) -> None:
+  """Logs `message` as a warning and shows it on stderr exactly once.
+
+  absl writes a warning to stderr itself unless its log goes to a file; a print
+  beside the log call then showed every such message twice (Ctrl-C's did).
+  """
+  logging.warning('%s', message)
+  if not warning_reaches_stderr():
+    print(message, file=sys.stderr, flush=True)
+
 
 
 class Preemption:
@@ -323,9 +375,7 @@ class Preemption:
   def _handle(self, signum, frame):
     del frame
     again = ' (Ctrl-C again stops at once, without one)' if signum == signal.SIGINT else ''
-    message = (f'Signal {signum}: stopping after the current step with a checkpoint{again}.')
-    logging.warning(message)
-    print(message, file=sys.stderr, flush=True)
+    warn(f'Signal {signum}: stopping after the current step with a checkpoint{again}.')
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.SIG_DFL)
     self.requested = True
@@ -346,6 +396,9 @@ class Preemption:
 
 
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'  # set by scripts/launch.py for its stall watchdog
+# The heartbeat file's first bytes while the trainer compiles: the watchdog does not count
+# that time (scripts/launch.py PAUSED, the same bytes: the launcher does not import JAX).
+PAUSED = b'paused'
 
 
 class Heartbeat:
@@ -353,19 +406,54 @@ class Heartbeat:
 
   The launcher kills and restarts a trainer whose heartbeat is older than its
   --stall_timeout (a process stopped, or deadlocked outside a collective that
-  its peers' heartbeat timeout would end). Without the variable it does nothing.
+  its peers' heartbeat timeout would end). A compile takes as long as it takes,
+  so `paused()` writes PAUSED into the file, and the launcher does not count
+  the time while the file says it; leaving the pause is a beat. train.py runs
+  its first step and its first evaluation inside `compiling(...)`, and beats
+  only after its first step, so no --stall_timeout shorter than a compile
+  kills a healthy trainer. Without the variable it does nothing.
   """
 
   def __init__(self):
     self.path = os.environ.get(HEARTBEAT_ENV)
+    self.depth = 0  # pauses entered and not left
+    self.compiled: set[str] = set()
 
-  def beat(self) -> None:
+  def _write(self, content: bytes | None) -> None:
+    """Touches the file (content None) or replaces its content (which touches it too)."""
     if not self.path:
       return
     try:
-      with open(self.path, 'a'):
-        os.utime(self.path)
+      with open(self.path, 'ab' if content is None else 'wb') as f:
+        if content is None:
+          os.utime(self.path)
+        else:
+          f.write(content)
     except OSError as e:  # the watchdog is a helper: never stop training for it
       logging.warning('Cannot touch the heartbeat file %s (%s); the launcher may take this '
                       'trainer for stalled.', self.path, e)
       self.path = None
+
+  def beat(self) -> None:
+    self._write(None)
+
+  @contextlib.contextmanager
+  def paused(self):
+    """The launcher's watchdog does not count the time inside (a compile); nests."""
+    self.depth += 1
+    if self.depth == 1:
+      self._write(PAUSED + f' pid {os.getpid()}\n'.encode())
+    try:
+      yield
+    finally:
+      self.depth -= 1
+      if self.depth == 0:
+        self._write(b'')  # empty and touched: a beat, from which the watchdog counts again
+
+  def compiling(self, what: str):
+    """`paused()` the first time `what` (e.g. 'train step') runs in this process: its
+    compile; a no-op context after that."""
+    if what in self.compiled:
+      return contextlib.nullcontext()
+    self.compiled.add(what)
+    return self.paused()

@@ -86,8 +86,10 @@ class MetricWriter:
   checkpoint, which a resume drops anyway; nothing is ever written twice.
   """
 
-  def __init__(self, workdir: str, start: int = 0, flush_seconds: float = 60.0):
+  def __init__(self, workdir: str, start: int = 0, flush_seconds: float = 60.0,
+               tracker: Any = None):
     self.enabled = jax.process_index() == 0
+    self.tracker = tracker  # tracking.Tracker: each record goes to W&B too (a no-op when off)
     if not self.enabled:
       return
     self.remote = storage.is_url(workdir)
@@ -117,6 +119,8 @@ class MetricWriter:
     self.tb.summary(step, [events.text_value(name, value) if isinstance(value, str)
                            else events.scalar_value(name, value)
                            for name, value in metrics.items()])
+    if self.tracker is not None:
+      self.tracker.log(step, metrics)  # queued; returns at once
     if self.remote and time.monotonic() - self.last_flush > self.flush_seconds:
       self.flush()
 
@@ -234,6 +238,7 @@ class Progress:
     step, last = records[-1]
     if log:
       last.update(self._throughput(step))
+      last.update(device_memory())
       print(f"step {step:>7d}/{self.steps}  loss {last['train/CE loss']:.4f}  "
             f"lr {last['optim/LR']:.3g}  gnorm {last['optim/total grad norm']:.3f}  "
             f"{last['throughput/device/TPS']:,.0f} tok/s/dev  {last['time/step'] * 1e3:.0f} "
@@ -259,6 +264,26 @@ class Progress:
       out['throughput/device/MFU'] = tps * self.flops_per_token / self.peak
     self.window_start, self.window_step, self.data_wait = time.perf_counter(), step, 0.0
     return out
+
+
+def device_memory() -> dict[str, float]:
+  """This process's device memory at a log step (the largest over its devices), in GiB.
+
+  `in use`: what the allocator holds now; `peak`: the most it held since the
+  process started (JAX has no reset, unlike OLMo-core's GPUMemoryMonitorCallback,
+  whose 'gpu_memory/GPU active mem (GiB)' is the peak since the last step).
+  {} where the platform reports nothing (CPU).
+  """
+  stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+  if not stats:
+    return {}
+  largest = lambda key: max(s.get(key, 0) for s in stats)
+  peak, limit = largest('peak_bytes_in_use'), min(s.get('bytes_limit', 0) for s in stats)
+  out = {'system/device memory in use (GiB)': largest('bytes_in_use') / 2**30,
+         'system/device memory peak (GiB)': peak / 2**30}
+  if limit:
+    out['system/device memory peak (%)'] = 100 * peak / limit
+  return out
 
 
 def _duration(seconds: float) -> str:

@@ -22,6 +22,8 @@ value (the 7B's by default) and is never attributed to the run.
 import json
 import logging
 import math
+import re
+from typing import Any
 
 import ml_collections
 
@@ -340,10 +342,51 @@ def checked_base(base: ml_collections.ConfigDict, translated: ml_collections.Con
       continue
     group, name = field.split('.', 1)
     ours, theirs = _plain(base[group][name]), _plain(translated[group][name])
-    if json.dumps(ours) != json.dumps(theirs):
+    if not same_setting(field, ours, theirs, base.model):
       logging.warning("--config has %s=%r; the OLMo-core run has %r (%s). The run "
                       "continues with --config's.", field, ours, theirs, where)
   return base
+
+
+FLOAT_RTOL = 1e-9  # config.json's lr x alpha_f and a config's literal differ in the last bits
+
+
+def same_setting(field: str, ours: Any, theirs: Any, model_cfg: ml_collections.ConfigDict
+                 ) -> bool:
+  """Whether --config's value of `field` is the OLMo-core run's, as the run would use it.
+
+  Numbers agree to a relative FLOAT_RTOL (0.0003 is 0.003 x 0.1 =
+  0.00030000000000000003); opt.no_decay patterns agree when they select the
+  same parameters of the model ('embed/.*' and 'embed/embedding'); anything
+  else must be equal.
+  """
+  if field == 'opt.no_decay':
+    return decay_excluded(ours, model_cfg) == decay_excluded(theirs, model_cfg)
+  return _close(ours, theirs)
+
+
+def decay_excluded(patterns: Any, model_cfg: ml_collections.ConfigDict) -> frozenset[str] | None:
+  """The parameter paths ('module/name', as optim.decay_mask names them) that `patterns`
+  exclude from weight decay; None for a pattern that is not a regex."""
+  names = [f'{module}/{name}' for module, params in model.param_shapes(model_cfg).items()
+           for name in params]
+  try:
+    compiled = [re.compile(p) for p in patterns or ()]
+  except (re.error, TypeError):
+    return None
+  return frozenset(n for n in names if any(p.fullmatch(n) for p in compiled))
+
+
+def _close(a: Any, b: Any) -> bool:
+  numbers = (int, float)
+  if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and (
+      not isinstance(b, bool)):
+    return a == b or math.isclose(a, b, rel_tol=FLOAT_RTOL)
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+  return json.dumps(a) == json.dumps(b)
 
 
 def olmo_core_config(cfg) -> dict:

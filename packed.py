@@ -23,6 +23,7 @@ from absl import logging
 import numpy as np
 
 from errors import DataError
+import storage
 import token_files
 
 LONG_DOC_STRATEGIES = ('truncate', 'fragment')  # OLMo-core LongDocStrategy values
@@ -190,11 +191,13 @@ class PackedDataset:
                stable_packing: bool = False, source_permutation_seed: int | None = None,
                labels: Sequence[str] | None = None,
                listed_sizes: Sequence[int | None] | None = None, cache_dir: str | None = None,
-               source: str = 'cfg.data.paths'):
+               source: str = 'cfg.data.paths', remote_cache_dir: str = ''):
     """Packs (or loads the cached packing of) every group.
 
     `paths` are in mix order and shuffled by `source_permutation_seed` as
-    OLMo-core's config does (from_config has done that already).
+    OLMo-core's config does (from_config has done that already). Remote files
+    (gs://, s3://, http(s)://) are read by byte range (remote_tokens.py), their
+    ranges kept in `remote_cache_dir` when given.
     """
     if not paths:
       raise DataError(f'{source} is empty: the packed dataset needs at least one token file.')
@@ -211,8 +214,9 @@ class PackedDataset:
     labels = labels or [''] * len(paths)
     listed_sizes = listed_sizes or [None] * len(paths)
     order = token_files.source_order(len(paths), source_permutation_seed)
-    self.files = tuple(token_files.inspect_file(paths[i], labels[i], listed_sizes[i], vocab_size)
-                       for i in order)
+    self.files = token_files.inspect_files([paths[i] for i in order], [labels[i] for i in order],
+                                           [listed_sizes[i] for i in order], vocab_size,
+                                           cache_dir=remote_cache_dir)
     self.seq_len, self.vocab_size = seq_len, vocab_size
     self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
     self.bos_token_id = bos_token_id
@@ -220,7 +224,7 @@ class PackedDataset:
     self.stable_packing, self.cache_dir = bool(stable_packing), cache_dir or None
     self.groups = [list(range(g, min(g + source_group_size, len(paths))))
                    for g in range(0, len(paths), source_group_size)]
-    self.maps = token_files.TokenMaps(self.files)
+    self.maps = token_files.open_tokens(self.files, remote_cache_dir)
     self.packings = [self._packing(g) for g in range(len(self.groups))]
     counts = [p.offsets.size - 1 for p in self.packings]
     self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # group g's first id
@@ -262,7 +266,8 @@ class PackedDataset:
                long_doc_strategy=cfg_data.long_doc_strategy,
                source_group_size=cfg_data.source_group_size,
                stable_packing=cfg_data.stable_packing, labels=labels,
-               listed_sizes=sizes, cache_dir=cache_dir, source=source)
+               listed_sizes=sizes, cache_dir=cache_dir, source=source,
+               remote_cache_dir=cfg_data.get('remote_cache_dir', ''))
 
   @property
   def fingerprint_fields(self) -> dict[str, Any]:
@@ -296,6 +301,9 @@ class PackedDataset:
                        f'{self.eos_token_id},{self.bos_token_id},{self.stable_packing},'.encode())
     for f in self.groups[g]:
       file = self.files[f]
+      if storage.is_url(file.path):  # no mtime to read: the URL and size name it
+        h.update(f'{file.path},{file.size},{file.header},'.encode())
+        continue
       stat = os.stat(file.path)  # a rewritten file changes its size or mtime: a new name
       h.update(f'{os.path.realpath(file.path)},{file.size},{stat.st_mtime_ns},'
                f'{file.header},'.encode())
@@ -320,10 +328,7 @@ class PackedDataset:
     pack_documents_into_instances: the group's files read as one stream)."""
     files, starts, ends = [], [], []
     for k, f in enumerate(self.groups[g]):
-      file = self.files[f]
-      tokens = (np.memmap(file.path, token_files.TOKEN_DTYPE, 'r', file.header,
-                          (file.num_tokens,))
-                if file.num_tokens else np.zeros(0, token_files.TOKEN_DTYPE))
+      tokens = self.maps.sequential(f)  # a map of its own (read-ahead), or remote chunks
       e = document_ends(tokens, self.eos_token_id, self.bos_token_id)
       del tokens
       # Each document starts where the previous one ended; a file with no end has none, as in
@@ -365,7 +370,7 @@ class PackedDataset:
     logging.warning('Packing cache %s is unusable (%s); packing again.', path, problem)
     return None
 
-  def _instance_documents(self, i: int) -> list[tuple[int, int, int]]:
+  def instance_documents(self, i: int) -> list[tuple[int, int, int]]:
     """(file, start, length) of each document of instance i, in order."""
     g = int(np.searchsorted(self.starts, i, side='right')) - 1
     p, first = self.packings[g], self.groups[g][0]
@@ -379,16 +384,16 @@ class PackedDataset:
     if ids.size and (ids.min() < 0 or ids.max() >= self.num_instances):
       raise IndexError(f'instance ids must lie in [0, {self.num_instances}); got '
                        f'[{ids.min()}, {ids.max()}].')
-    docs = [self._instance_documents(int(i)) for i in ids]
-    for f, s, n in (d for row in docs for d in row):  # queue every read first
-      self.maps.will_need(f, s, n)
+    docs = [self.instance_documents(int(i)) for i in ids]
+    # Every document's read is in flight before any is copied (page faults, or remote requests).
+    pieces = iter(self.maps.read_many([d for row in docs for d in row]))
     tokens_nT = np.full((ids.size, self.seq_len), self.pad_token_id, np.int32)
     raw_nT = tokens_nT.view(np.uint32)
     real_n = np.zeros(ids.size, np.int64)
     for k, row in enumerate(docs):
       at = 0
       for f, s, n in row:
-        piece = self.maps.tokens(f)[s:s + n]
+        piece = next(pieces)
         if piece.max() >= self.vocab_size:
           t = int(np.argmax(piece >= self.vocab_size))
           raise token_files.vocab_error(self.files[f].path, piece[t], s + t, self.vocab_size)
@@ -403,4 +408,4 @@ class PackedDataset:
 
   def check_tokens(self, chunk_tokens: int = 1 << 24) -> None:
     """Scans every token of every file against vocab_size (a full read; use offline)."""
-    self.maps.check_tokens(self.vocab_size, chunk_tokens)
+    token_files.check_tokens(self.maps, self.vocab_size, chunk_tokens)

@@ -2,6 +2,15 @@
 
     python plan.py --config=configs/olmo3_7b.py --devices=8 [--target_devices=512]
         [--platform=tpu|gpu|cpu] [--chip=v5p]
+    python plan.py --config=configs/small.py     # the defaults below: 1 device, cpu
+
+Without --devices it compiles for the most devices up to 8 that the config's
+batch splits over (data.global_batch_size into train.micro_batch_size rows
+per device, on a mesh train.mesh_* allows): 8 for the 7B, 1 for
+configs/small.py (8 instances, micro-batch 8). Without --platform it plans
+for the TPU, unless the TPU's flash kernel cannot take the model (head_dim
+not a multiple of 128 with attention_impl 'auto' or 'pallas', as
+configs/small.py, a CPU config, has): then for the CPU. The report says which.
 
 compiles the real train step (train.make_train_step on sharding.py's shardings) for
 --devices simulated CPU devices without allocating a single weight: the state
@@ -48,6 +57,7 @@ import config_checks
 import batches
 import errors
 import kernels
+from kernels import flash_kernels
 import model
 import optim
 import sharding
@@ -142,6 +152,32 @@ def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
   step = jax.jit(train.make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
                  out_shardings=(shardings, None))
   return step, state, batch, accum
+
+
+def default_devices(cfg: ml_collections.ConfigDict, most: int = 8) -> int:
+  """The most devices, up to `most`, whose mesh and micro-batches the config's batch fills."""
+  for n in range(most, 0, -1):
+    try:
+      shape = sharding.mesh_shape(cfg.train, n)
+      shards = int(np.prod([shape[a] for a in sharding.BATCH_AXES]))
+      batches.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
+    except errors.ConfigError:
+      continue
+    return n
+  raise errors.ConfigError(
+      f'no device count up to {most} splits data.global_batch_size='
+      f'{cfg.data.global_batch_size} into train.micro_batch_size={cfg.train.micro_batch_size} '
+      'rows per device on the configured mesh; fix them or pass --devices=N.')
+
+
+def default_platform(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
+  """('tpu' or 'cpu', why): the TPU unless its flash kernel cannot take the model."""
+  lanes = flash_kernels.LANES
+  if cfg.model.attention_impl in ('auto', 'pallas') and cfg.model.head_dim % lanes:
+    return 'cpu', (f'default: the TPU flash kernel needs head_dim a multiple of {lanes}, not '
+                   f'{cfg.model.head_dim}; --platform=tpu with '
+                   "--config.model.attention_impl=xla plans it for a TPU")
+  return 'tpu', 'default'
 
 
 def tpu_kernels_in_step(cfg: ml_collections.ConfigDict, chip: str, shape: dict[str, int]
@@ -294,29 +330,46 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value.',
                   errors.EXIT_USAGE)
-  if FLAGS.devices < 1 or FLAGS.target_devices < 0:
+  if (FLAGS.devices is not None and FLAGS.devices < 1) or FLAGS.target_devices < 0:
     errors.report('--devices must be >= 1 and --target_devices >= 0.', errors.EXIT_USAGE)
-  # Simulated CPU devices; set before anything touches a backend.
-  kernels.xla.set_cpu_flags()
-  jax.config.update('jax_platforms', 'cpu')
-  # Twice --devices exist so that a mesh whose fixed axes fill --devices (context
-  # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
-  jax.config.update('jax_num_cpu_devices', 2 * FLAGS.devices)
   with errors.one_line(also=(ValueError,)):  # the config and mesh checks: one line, exit 2
-    report(FLAGS.config, FLAGS.target_devices or None, platform=FLAGS.platform, chip=FLAGS.chip,
-           devices=jax.devices()[:FLAGS.devices])
+    cfg = FLAGS.config
+    devices = FLAGS.devices or default_devices(cfg)
+    platform, why = (FLAGS.platform, '') if FLAGS.platform else default_platform(cfg)
+    chosen = '' if FLAGS.devices else ' (default: the most, up to 8, the batch splits over)'
+    print(f'planning for {devices} devices{chosen}, platform {platform}'
+          f'{f" ({why})" if why else ""}', flush=True)
+    # Simulated CPU devices; set before anything touches a backend.
+    kernels.xla.set_cpu_flags()
+    jax.config.update('jax_platforms', 'cpu')
+    # Twice --devices exist so that a mesh whose fixed axes fill --devices (context
+    # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
+    jax.config.update('jax_num_cpu_devices', 2 * devices)
+    report(cfg, FLAGS.target_devices or None, platform=platform, chip=FLAGS.chip,
+           devices=jax.devices()[:devices])
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """config_checks.parse_flags, with a missing --config in one line (exit 2), not absl's two."""
+  named = {arg.lstrip('-').split('=', 1)[0] for arg in argv[1:]}
+  if 'config' not in named and not named & {'help', 'helpshort', 'helpfull', 'h', '?'}:
+    errors.report('--config is required: the training config to plan, e.g. '
+                  '--config=configs/olmo3_7b.py (with any --config.* overrides).',
+                  errors.EXIT_USAGE)
+  return config_checks.parse_flags(argv)
 
 
 if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
-  flags.mark_flag_as_required('config')
-  flags.DEFINE_integer('devices', 8, 'Simulated CPU devices the step is compiled for.')
+  flags.DEFINE_integer('devices', None, 'Simulated CPU devices the step is compiled for '
+                       '(default: the most, up to 8, the config\'s batch splits over).')
   flags.DEFINE_integer('target_devices', 0, 'Devices the report is for (0: --devices); another '
                        'count is extrapolated from compiles on --devices and half of them (twice '
                        'as many when half cannot hold the context axis).')
-  flags.DEFINE_enum('platform', 'tpu', ['tpu', 'gpu', 'cpu'], "The platform the run targets: "
-                    "attention_impl='auto' is resolved for it.")
+  flags.DEFINE_enum('platform', None, ['tpu', 'gpu', 'cpu'], "The platform the run targets: "
+                    "attention_impl='auto' is resolved for it (default: tpu, or cpu for a model "
+                    "the TPU flash kernel cannot take).")
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
   FLAGS = flags.FLAGS
-  app.run(main, flags_parser=config_checks.parse_flags)  # config mistakes in one line
+  app.run(main, flags_parser=parse_flags)  # config mistakes in one line

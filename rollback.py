@@ -225,6 +225,5 @@ class Recovery:
                f'those steps {restored + 1}-{step} read, plus train.rollback_margin='
                f'{t.rollback_margin}{lr}. Logged in {storage.join(self.workdir, LOG)}; show a '
                f'skipped batch with {self.inspect_command(start)}.')
-    logging.warning(message)
-    print(message, file=sys.stderr, flush=True)
+    health.warn(message)
     return state, restored, restored_meta['data']

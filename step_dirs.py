@@ -14,7 +14,6 @@ are these functions.
 import os
 import re
 import secrets
-import sys
 from typing import Any
 
 from absl import logging
@@ -193,21 +192,40 @@ def read_metadata(directory: str, step: int | None = None) -> dict[str, Any]:
   return chunk_store.read_info(committed_dir(directory, step))['metadata']
 
 
-def check_fresh_start(directory: str, workdir: str) -> None:
+def check_fresh_start(directory: str, workdir: str) -> str | None:
   """Before a run in `workdir` starts from step 0 because `directory` has no committed step.
 
   Refuses a directory holding only corrupt checkpoints (restore_latest_good set
-  them aside; starting over would silently replace the run), and warns about
-  committed steps in `workdir` itself, one level above where train.py reads
-  them (a checkpoint converted or copied to the wrong place).
+  them aside; starting over would silently replace the run). Returns a warning
+  (None when there is nothing to say) naming committed steps where train.py
+  does not read them: in `workdir` itself, or one folder down (W/*/step_N, a
+  copy into another folder; W/*/checkpoints/step_N, `convert.py --to=W/x`
+  written one level too deep).
   """
   if any(n.startswith('corrupt.step_') for n in storage.listdir(directory)):
     raise errors.ConfigError(f'{directory} holds only corrupt checkpoints (corrupt.step_*); '
                              'restore a good copy there, or remove them to start afresh.')
-  misplaced = committed_steps(workdir)
-  if misplaced:
-    message = (f'{workdir} holds checkpoint steps {misplaced} directly, but train.py reads '
-               f'{directory}; this run starts from step 0. To continue from them, move the '
-               f'step_* directories into {directory} (convert.py --to=WORKDIR writes there).')
-    logging.warning(message)
-    print(f'WARNING: {message}', file=sys.stderr, flush=True)
+  found = []  # (where, steps, the fix)
+  steps = committed_steps(workdir)
+  if steps:
+    found.append((workdir, steps, f'move its step_* directories into {directory}'))
+  inner_name = storage.basename(directory)
+  for name in storage.listdir(workdir):
+    entry = storage.join(workdir, name)
+    if name == inner_name or not STEP_RE.match(name) and not storage.isdir(entry):
+      continue
+    steps = [] if STEP_RE.match(name) else committed_steps(entry)
+    if steps:
+      found.append((entry, steps, f'move its step_* directories into {directory}'))
+    steps = committed_steps(storage.join(entry, inner_name))
+    if steps:
+      found.append((storage.join(entry, inner_name), steps,
+                    f'pass --workdir={entry}, the workdir they were written for, or move them '
+                    f'into {directory}'))
+  if not found:
+    return None
+  listed = '; '.join(f'{where} holds steps {steps} ({fix})' for where, steps, fix in found)
+  return (f'{directory} has no checkpoint, so this run starts from step 0, but committed '
+          f'checkpoints lie where train.py does not read them: {listed}. To continue from '
+          'them, stop this run and do that (convert.py --to=WORKDIR writes WORKDIR/checkpoints, '
+          'where train.py --workdir=WORKDIR reads).')

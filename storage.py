@@ -66,8 +66,8 @@ _lock = threading.Lock()
 
 
 def scheme(location: str) -> str:
-  """'gs', 's3', 'http', 'https', or '' for a local path."""
-  m = _URL_RE.match(location)
+  """'gs', 's3', 'http', 'https', or '' for a local path (a str or os.PathLike)."""
+  m = _URL_RE.match(os.fspath(location))
   if not m or (len(m.group(1)) == 1 and os.name == 'nt'):  # C:\ on Windows
     return ''
   return m.group(1).lower()
@@ -84,6 +84,7 @@ def is_object_store(location: str) -> bool:
 def check(location: str, what: str = '--workdir', writable: bool = True) -> str:
   """`location` if this project can use it (a path, or a URL of a known scheme), else a
   ConfigError in one line. Local paths are returned as given (absolute paths resolve later)."""
+  location = os.fspath(location)
   if not location:
     raise errors.ConfigError(f'{what} is empty; give a directory or a gs:// or s3:// URL.')
   s = scheme(location)

@@ -6,11 +6,15 @@ Reading order:
                which files, in which order (OLMo-core DataMix.build, source
                permutation), and what a mix says about itself (its tokenizer, its
                held-out files).
-  files        TokenFile, inspect_file, check_sample: a file's layout (raw
-               little-endian uint32, or a true .npy of uint32) and a bounded
-               plausibility check of its ids; vocab_error, the one message for
-               an id past the vocabulary.
-  maps         TokenMaps: the read-only memory maps the datasets read through.
+  files        TokenFile, inspect_files, inspect_file, check_sample: a file's
+               layout (raw little-endian uint32, or a true .npy of uint32) and a
+               bounded plausibility check of its ids, for local files and, through
+               remote_tokens.py, gs://, s3:// and http(s):// ones (inspected
+               concurrently); vocab_error, the one message for an id past the
+               vocabulary.
+  maps         TokenMaps: the read-only memory maps the datasets read through;
+               open_tokens: those, or remote_tokens.RemoteTokens for a mix with
+               remote files (the same interface); check_tokens, the full scan.
   fingerprint  fingerprint, FINGERPRINT_VERSION: OLMo-core's dataset fingerprint.
   caches       write_atomic, checksum, write_checksummed, checksum_problem: the
                on-disk caches (the global order, the packings) and their xxh3
@@ -20,20 +24,26 @@ Glossary: n tokens in a file, V vocab size; a file's tokens are uint32 [n].
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
+import io
 import json
 import mmap
 import os
 import random
 import threading
+import time
 import uuid
 from typing import Any, Sequence
 
+from absl import logging
 import numpy as np
 import xxhash
 
 from errors import DataError, MissingDataError
+import remote_tokens
+import storage
 
 FINGERPRINT_VERSION = 'v2.0'  # OLMo-core NumpyDatasetBase.fingerprint_version
 TOKEN_DTYPE = np.dtype('<u4')  # OLMo-core NumpyDatasetDType.uint32, little-endian on disk
@@ -44,6 +54,8 @@ _SAMPLE_HEAD = 1 << 16  # tokens check_sample reads from the start of each file,
 _SAMPLE_CHUNKS, _SAMPLE_CHUNK = 4, 1 << 12  # and chunks of tokens spread over the rest
 _INT64_EVIDENCE = 16  # nonzero low words before a file with zero high words is called int64
 _STRAY_IDS_TOLERATED = 1  # out-of-vocabulary ids in a sample left for Dataset.read to report
+_HEAD_BYTES = 4096  # read to find a .npy header (numpy writes 128 bytes or a few times that)
+_INSPECT_THREADS = 32  # remote files inspected at once
 
 
 # ----------------------------------------------------------------------------
@@ -62,43 +74,75 @@ def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
   ('PREFIX=REPLACEMENT' strings) rewrites URL-like prefixes to local mirrors.
   A config's mix (config_sources) defaults base_dir to the mix's own folder.
   """
-  if not os.path.isfile(mix_file):
-    raise MissingDataError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
-                           'file of `label,path` lines (like olmo_core/data/mixes/*.txt).')
   paths, labels, sizes = [], [], []
-  with open(mix_file) as f:
-    for line_no, line in enumerate(f, 1):
-      line = line.strip()
-      if not line or line.startswith('#'):
-        continue
-      fields = line.split(',')
-      if len(fields) not in (2, 3) or not fields[1]:
-        raise DataError(f'{mix_file}:{line_no}: expected `label,path` or `label,path,bytes`, '
-                        f'got {line!r}')
-      if len(fields) == 3 and not fields[2].isdigit():
-        raise DataError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
-      path = fields[1].replace('{TOKENIZER}', tokenizer_id)
-      if base_dir and '://' not in path and not os.path.isabs(path):
-        path = base_dir.rstrip('/') + '/' + path  # OLMo-core DataMix.build: f'{base_dir}/{path}'
-      paths.append(remap_path(path, path_remap))
-      labels.append(fields[0])
-      sizes.append(int(fields[2]) if len(fields) == 3 else None)
+  for line_no, line in enumerate(mix_text(mix_file).splitlines(), 1):
+    line = line.strip()
+    if not line or line.startswith('#'):
+      continue
+    fields = line.split(',')
+    if len(fields) not in (2, 3) or not fields[1]:
+      raise DataError(f'{mix_file}:{line_no}: expected `label,path` or `label,path,bytes`, '
+                      f'got {line!r}')
+    if len(fields) == 3 and not fields[2].isdigit():
+      raise DataError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
+    path = fields[1].replace('{TOKENIZER}', tokenizer_id)
+    if base_dir and '://' not in path and not os.path.isabs(path):
+      path = base_dir.rstrip('/') + '/' + path  # OLMo-core DataMix.build: f'{base_dir}/{path}'
+    paths.append(remap_path(path, path_remap))
+    labels.append(fields[0])
+    sizes.append(int(fields[2]) if len(fields) == 3 else None)
   if not paths:
     raise DataError(f'mix file {mix_file!r} lists no token files (only blanks or comments).')
   return paths, labels, sizes
 
 
+def mix_text(mix_file: str) -> str:
+  """A mix file's text (a local path or a URL); one line naming the fix when it is none."""
+  if storage.is_url(mix_file):
+    storage.check(mix_file, 'cfg.data.mix_file', writable=False)
+    try:
+      raw = storage.read(mix_file)
+    except storage.StorageError as e:
+      raise remote_tokens.error(mix_file, e, 'the mix file') from e
+  elif os.path.isdir(mix_file):
+    mixes = sorted(n for n in os.listdir(mix_file) if n.endswith('.txt'))
+    hint = f' (here: {os.path.join(mix_file, mixes[0])})' if mixes else ''
+    raise DataError(f'mix file {mix_file!r} is a folder; set cfg.data.mix_file to the mix file '
+                    f'in it{hint}, a text file of `label,path` lines (scripts/prepare_data.py '
+                    'writes one beside its token files), or name the token files instead: '
+                    '--config.data.mix_file= --config.data.paths=\'("FILE", ...)\'.')
+  else:
+    try:
+      with open(mix_file, 'rb') as f:
+        raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+      raw = None
+  if raw is None:
+    raise MissingDataError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
+                           'file of `label,path` lines (like olmo_core/data/mixes/*.txt).')
+  try:
+    if b'\0' in raw[:1 << 16]:
+      raise UnicodeError('NUL bytes')
+    return raw.decode()
+  except UnicodeError:
+    raise DataError(f'mix file {mix_file!r} is binary (a token file?); a mix is a text file of '
+                    '`label,path` lines. Point cfg.data.mix_file at the mix (.txt) written with '
+                    'the token files, or train on the file itself: --config.data.mix_file= '
+                    f'--config.data.paths=\'("{mix_file}",)\'.') from None
+
+
 def mix_base_dir(mix_file: str, base_dir: str = '') -> str:
   """The folder a config's mix entries are relative to: data.base_dir, else the mix's own
-  (so a prepare_data.py mix works from any working directory)."""
-  return base_dir or os.path.dirname(os.path.abspath(mix_file))
+  (so a prepare_data.py mix works from any working directory; a URL's parent for a remote
+  mix)."""
+  return base_dir or storage.parent(mix_file)
 
 
 def _join(base_dir: str, mix_file: str, path: str) -> str:
   """A header's path: URLs and absolute paths as they are, else under mix_base_dir."""
   if '://' in path or os.path.isabs(path):
     return path
-  return os.path.join(mix_base_dir(mix_file, base_dir), path)
+  return storage.join(mix_base_dir(mix_file, base_dir), path)
 
 
 MIX_HEADER_KEYS = ('tokenizer', 'validation')  # `# KEY {json}` lines of a mix file
@@ -116,16 +160,15 @@ def read_mix_header(mix_file: str, *, base_dir: str = '') -> dict[str, Any]:
   mix without them (OLMo-core's own) gives None and [].
   """
   header: dict[str, Any] = {}
-  with open(mix_file) as f:
-    for line_no, line in enumerate(f, 1):
-      key, _, rest = line.lstrip('#').strip().partition(' ')
-      if not line.startswith('#') or key not in MIX_HEADER_KEYS:
-        continue
-      try:
-        header[key] = json.loads(rest)
-      except json.JSONDecodeError as e:
-        raise DataError(f'{mix_file}:{line_no}: the `# {key}` line is not JSON ({e}); '
-                        'rewrite the mix with scripts/prepare_data.py.') from e
+  for line_no, line in enumerate(mix_text(mix_file).splitlines(), 1):
+    key, _, rest = line.lstrip('#').strip().partition(' ')
+    if not line.startswith('#') or key not in MIX_HEADER_KEYS:
+      continue
+    try:
+      header[key] = json.loads(rest)
+    except json.JSONDecodeError as e:
+      raise DataError(f'{mix_file}:{line_no}: the `# {key}` line is not JSON ({e}); '
+                      'rewrite the mix with scripts/prepare_data.py.') from e
   tokenizer = header.get('tokenizer')
   if tokenizer is not None and tokenizer.get('file'):
     tokenizer = dict(tokenizer, file=_join(base_dir, mix_file, tokenizer['file']))
@@ -213,45 +256,106 @@ class TokenFile:
   label: str = ''
 
 
+def inspect_files(paths: Sequence[str], labels: Sequence[str] | None = None,
+                  listed_sizes: Sequence[int | None] | None = None,
+                  vocab_size: int | None = None, *, cache_dir: str = '',
+                  sample: bool = True) -> tuple[TokenFile, ...]:
+  """inspect_file for each path, in order; remote files concurrently.
+
+  The first remote file is inspected alone, so a wrong URL, missing credentials
+  or a server without range requests fails once, not once per file; the rest
+  run _INSPECT_THREADS at a time (each issuing its sample reads at once), so a
+  mix of ~950 remote files is inspected in seconds. An error is the first
+  failing file's in mix order. `cache_dir`: data.remote_cache_dir.
+  """
+  labels = labels or [''] * len(paths)
+  listed_sizes = listed_sizes or [None] * len(paths)
+
+  def one(i: int) -> TokenFile:
+    return inspect_file(paths[i], labels[i], listed_sizes[i], vocab_size, cache_dir=cache_dir,
+                        sample=sample)
+
+  remote = [i for i, p in enumerate(paths) if storage.is_url(p)]
+  if not remote:
+    return tuple(one(i) for i in range(len(paths)))
+  start = time.time()
+  done = {remote[0]: one(remote[0])}
+  pool = concurrent.futures.ThreadPoolExecutor(min(_INSPECT_THREADS, len(remote)),
+                                               thread_name_prefix='inspect')
+  try:
+    futures = {i: pool.submit(one, i) for i in remote[1:]}
+    files = tuple(done[i] if i in done else futures[i].result() if i in futures else one(i)
+                  for i in range(len(paths)))
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
+  logging.info('Inspected %d remote token files (%s) in %.1f s.', len(remote),
+               storage.describe(paths[remote[0]]), time.time() - start)
+  return files
+
+
 def inspect_file(path: str, label: str = '', listed_size: int | None = None,
-                 vocab_size: int | None = None) -> TokenFile:
+                 vocab_size: int | None = None, *, cache_dir: str = '',
+                 sample: bool = True) -> TokenFile:
   """Stats and validates one token file (raw uint32, or a true .npy of uint32).
 
   Beyond its size and header, a bounded sample of its tokens must look like
-  uint32 ids (and, given `vocab_size`, lie in the vocabulary): see check_sample.
+  uint32 ids (and, given `vocab_size`, lie in the vocabulary): see check_sample
+  (skipped with sample=False). A gs://, s3:// or http(s):// path is read by byte
+  range (remote_tokens.py; `cache_dir` keeps what it reads).
   """
-  file = _layout(path, label, listed_size)
-  check_sample(file, vocab_size)
+  if not storage.is_url(path):
+    file = _layout(path, label, listed_size)
+    if sample:
+      check_sample(file, vocab_size)
+    return file
+  storage.check(path, 'a token file', writable=False)
+  size = remote_tokens.probe(path, listed_size)
+  if size is None:
+    raise remote_tokens.missing_error(path)
+  reader = remote_tokens.RangeReader(cache_dir)
+  file = parse_layout(path, size, reader.read([(path, size, 0, min(size, _HEAD_BYTES))])[0],
+                      label, listed_size)
+  if sample:
+    pieces = sample_pieces(file)
+    raw = reader.read([(path, size, file.header + TOKEN_DTYPE.itemsize * start,
+                        file.header + TOKEN_DTYPE.itemsize * (start + count))
+                       for start, count in pieces])
+    check_sample(file, vocab_size, [(start, np.frombuffer(r, TOKEN_DTYPE))
+                                    for (start, _), r in zip(pieces, raw)])
   return file
 
 
 def _layout(path: str, label: str, listed_size: int | None) -> TokenFile:
-  """The file's size, header and token count, from its stat and .npy header."""
-  if '://' in path:
-    raise MissingDataError(f'{path}: remote paths are not read directly; mirror the files locally '
-                           "and map the prefix with cfg.data.path_remap ('s3://bucket/=/local/').")
+  """A local file's size, header and token count, from its stat and first bytes."""
   if not os.path.isfile(path):
     raise MissingDataError(f'{path}: token file does not exist (check cfg.data.base_dir, '
                            'cfg.data.path_remap and the {TOKENIZER} id).')
-  size = os.path.getsize(path)
+  with open(path, 'rb') as f:
+    head = f.read(_HEAD_BYTES)
+  return parse_layout(path, os.path.getsize(path), head, label, listed_size)
+
+
+def parse_layout(path: str, size: int, head: bytes, label: str = '',
+                 listed_size: int | None = None) -> TokenFile:
+  """The TokenFile of a file of `size` bytes that starts with `head` (its first bytes)."""
   if listed_size is not None and size != listed_size:
     what = 'shorter' if size < listed_size else 'longer'
     raise DataError(f'{path}: file is {size} bytes, {what} than the {listed_size} bytes its mix '
                     'lists; it was truncated or replaced. Re-copy it or regenerate the mix.')
-  with open(path, 'rb') as f:
-    is_npy = f.read(len(_NPY_MAGIC)) == _NPY_MAGIC
-    if is_npy:
-      f.seek(0)
-      version = np.lib.format.read_magic(f)
-      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                     else np.lib.format.read_array_header_2_0)
-      shape, _, dtype = read_header(f)
-      header = f.tell()
-  if not is_npy:
+  if head[:len(_NPY_MAGIC)] != _NPY_MAGIC:
     if size % TOKEN_DTYPE.itemsize:
       raise DataError(f'{path}: size {size} bytes is not a multiple of 4, so it is not a uint32 '
                       'token file (truncated copy, or a uint16/uint8 file?).')
     return TokenFile(path, size, 0, size // TOKEN_DTYPE.itemsize, label)
+  f = io.BytesIO(head)
+  try:
+    version = np.lib.format.read_magic(f)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, _, dtype = read_header(f)
+  except ValueError as e:
+    raise DataError(f'{path}: starts like a .npy file but its header does not parse ({e}).') from e
+  header = f.tell()
   if dtype != TOKEN_DTYPE or len(shape) != 1:
     raise DataError(f'{path}: .npy holds {dtype} of shape {shape}; expected 1-D little-endian '
                     'uint32 tokens. Re-tokenize with scripts/prepare_data.py, or save the ids '
@@ -262,16 +366,19 @@ def _layout(path: str, label: str, listed_size: int | None) -> TokenFile:
   return TokenFile(path, size, header, shape[0], label)
 
 
-def check_sample(file: TokenFile, vocab_size: int | None = None) -> None:
+def check_sample(file: TokenFile, vocab_size: int | None = None,
+                 chunks: list[tuple[int, np.ndarray]] | None = None) -> None:
   """Refuses a file whose sampled tokens are not plausible uint32 ids.
 
   An int64 file read as uint32 has a zero in every second word (ids < 2^32,
   little-endian); real text never does once a few dozen ids are nonzero, so
   a tiny file is judged too. Other misreadings (uint16, big-endian, another
   tokenizer) put ids past the vocabulary everywhere. One stray id is left to
-  Dataset.read, which names it if its instance is ever read.
+  Dataset.read, which names it if its instance is ever read. `chunks`: the
+  (token offset, tokens) of sample_pieces, already read (a remote file's);
+  by default read here from the local file.
   """
-  chunks = _sample(file)
+  chunks = _sample(file) if chunks is None else chunks
   tokens = np.concatenate([c for _, c in chunks])
   words = tokens[:tokens.size // 2 * 2].reshape(-1, 2)  # chunks start at even offsets
   if np.count_nonzero(words[:, 0]) >= _INT64_EVIDENCE and not words[:, 1].any():
@@ -288,23 +395,28 @@ def check_sample(file: TokenFile, vocab_size: int | None = None) -> None:
                       f'so are {len(stray) - 1} more of the {tokens.size} tokens sampled: {hint}')
 
 
-def _sample(file: TokenFile) -> list[tuple[int, np.ndarray]]:
-  """(token offset, tokens) of the file's head and of a few chunks spread over the rest.
+def sample_pieces(file: TokenFile) -> list[tuple[int, int]]:
+  """(token offset, count) of what check_sample reads: the head and a few spread chunks.
 
   A bounded read (~320 KiB): stage 1 has ~950 files of several GB each. Offsets
   and lengths are even, so 32-bit words pair up as an int64 file's would.
   """
+  if file.num_tokens <= _SAMPLE_HEAD + _SAMPLE_CHUNKS * _SAMPLE_CHUNK:
+    return [(0, file.num_tokens)]
+  stride = (file.num_tokens - _SAMPLE_HEAD) // _SAMPLE_CHUNKS // 2 * 2  # >= _SAMPLE_CHUNK
+  return [(0, _SAMPLE_HEAD)] + [(_SAMPLE_HEAD + k * stride, _SAMPLE_CHUNK)
+                                for k in range(_SAMPLE_CHUNKS)]
+
+
+def _sample(file: TokenFile) -> list[tuple[int, np.ndarray]]:
+  """(token offset, tokens) of each of sample_pieces, read from the local file."""
   with open(file.path, 'rb') as f:
 
     def read(start: int, count: int) -> tuple[int, np.ndarray]:
       f.seek(file.header + TOKEN_DTYPE.itemsize * start)
       return start, np.fromfile(f, TOKEN_DTYPE, count)
 
-    if file.num_tokens <= _SAMPLE_HEAD + _SAMPLE_CHUNKS * _SAMPLE_CHUNK:
-      return [read(0, file.num_tokens)]
-    stride = (file.num_tokens - _SAMPLE_HEAD) // _SAMPLE_CHUNKS // 2 * 2  # >= _SAMPLE_CHUNK
-    return [read(0, _SAMPLE_HEAD)] + [read(_SAMPLE_HEAD + k * stride, _SAMPLE_CHUNK)
-                                      for k in range(_SAMPLE_CHUNKS)]
+    return [read(start, count) for start, count in sample_pieces(file)]
 
 
 def _misreading(tokens: np.ndarray, vocab_size: int) -> str:
@@ -375,17 +487,44 @@ class TokenMaps:
     begin = (header + 4 * start) // page * page
     mm.madvise(mmap.MADV_WILLNEED, begin, min(len(mm), header + 4 * (start + count)) - begin)
 
-  def check_tokens(self, vocab_size: int, chunk_tokens: int = 1 << 24) -> None:
-    """Scans every token of every file against vocab_size (a full read; use offline)."""
-    for f, file in enumerate(self.files):
-      if file.num_tokens == 0:
-        continue
-      tokens = self.tokens(f)
-      for start in range(0, file.num_tokens, chunk_tokens):
-        chunk = tokens[start:start + chunk_tokens]
-        if chunk.size and chunk.max() >= vocab_size:
-          t = int(np.argmax(chunk >= vocab_size))
-          raise vocab_error(file.path, chunk[t], start + t, vocab_size)
+  def read_many(self, pieces: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+    """Tokens [start, start + count) of file f for each (f, start, count): uint32 views of
+    the maps, in order. Every piece's read is queued (will_need) before any is returned."""
+    for f, start, count in sorted(pieces):
+      self.will_need(f, start, count)
+    return [self.tokens(f)[start:start + count] for f, start, count in pieces]
+
+  def sequential(self, f: int) -> np.ndarray:
+    """File f's tokens for one pass from start to end: a map of its own, with the kernel's
+    read-ahead (the shared maps read at random)."""
+    file = self.files[f]
+    if not file.num_tokens:
+      return np.zeros(0, TOKEN_DTYPE)
+    return np.memmap(file.path, TOKEN_DTYPE, 'r', file.header, (file.num_tokens,))
+
+
+def open_tokens(files: Sequence[TokenFile], cache_dir: str = '') -> Any:
+  """What the datasets read tokens through: TokenMaps for local files, else a
+  remote_tokens.RemoteTokens (the same interface; local files in it stay mapped) reading
+  by byte range, caching in `cache_dir` (data.remote_cache_dir) when given."""
+  maps = TokenMaps(files)
+  if not any(storage.is_url(f.path) for f in files):
+    return maps
+  return remote_tokens.RemoteTokens(files, maps, cache_dir)
+
+
+def check_tokens(maps: Any, vocab_size: int, chunk_tokens: int = 1 << 24) -> None:
+  """Scans every token of every file of `maps` (open_tokens) against vocab_size (a full read;
+  use offline)."""
+  for f, file in enumerate(maps.files):
+    if file.num_tokens == 0:
+      continue
+    tokens = maps.sequential(f)
+    for start in range(0, file.num_tokens, chunk_tokens):
+      chunk = np.asarray(tokens[start:start + chunk_tokens])
+      if chunk.size and chunk.max() >= vocab_size:
+        t = int(np.argmax(chunk >= vocab_size))
+        raise vocab_error(file.path, chunk[t], start + t, vocab_size)
 
 
 # ----------------------------------------------------------------------------

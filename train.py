@@ -47,12 +47,15 @@ import loss
 import metrics
 import model
 import optim
+import profiler
 import rollback
 import sample
 import sharding
 import step_dirs
 import storage
+import tracking
 import workdir_lock
+from evaluation import in_loop
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 BATCH_AXES = sharding.BATCH_AXES
@@ -169,7 +172,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, accum: 
   batch (loss.denominator), so the accumulated gradient equals one big
   batch's whatever `accum` and the device count are.
   """
-  def step(state: TrainState, batch: dict[str, jax.Array], lr_factor=1.0):
+  def train_step(state: TrainState, batch: dict[str, jax.Array], lr_factor=1.0):
     # lr_factor (a traced scalar: a new value does not recompile) scales the update: for
     # AdamW with decoupled decay multiplied by the LR, exactly scaling the LR (rollback.py).
     denominator = loss.denominator(batch['labels'], batch['instance_mask'])
@@ -205,35 +208,55 @@ def make_train_step(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, accum: 
                     **optim.opt_metrics(opt_state), 'optim/LR factor': lr_factor}
     step_metrics['optim/LR'] = step_metrics['optim/LR'] * lr_factor  # the effective LR
     return TrainState(params, opt_state), step_metrics
-  return step
+  return train_step
 
 
 def make_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
   """(CE sum, label count) of one held-out batch: the training loss without z-loss."""
-  def step(params, batch):
+  def eval_step(params, batch):
     ce, _ = loss_sums(cfg, mesh, params, batch, z_loss=0.0)
     return ce, loss.denominator(batch['labels'], batch['instance_mask'])
-  return step
+  return eval_step
+
+
+def held_out_sets(cfg_data: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
+  """{name: token files}: data.validation_paths as 'validation' (unless only named sets are
+  given), then each data.validation_sets entry."""
+  named = {name: tuple(paths) for name, paths in cfg_data.validation_sets.items()}
+  if cfg_data.validation_paths or not named:
+    return {'validation': tuple(cfg_data.validation_paths), **named}
+  return named
 
 
 def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
-  """A function params -> {'eval/lm/validation/CE loss', PPL} over fixed batches, or None."""
+  """A function params -> {'eval/lm/<set>/CE loss', PPL for each held-out set} over fixed
+  batches, or None. Sets are named as OLMo-core's LMEvaluator labels them (held_out_sets)."""
+  if not cfg.train.eval_every:
+    return None
   rows = sharding.batch_sharding(mesh)
-  held_out = cfg.train.eval_every and data.held_out_batches(
-      cfg.data, lambda b: batches.num_batch_shards(rows, b))
+  held_out = {}
+  for name, paths in held_out_sets(cfg.data).items():
+    cfg_data = cfg.data.copy_and_resolve_references()
+    cfg_data.validation_paths = paths
+    held_out[name] = data.held_out_batches(cfg_data, lambda b: batches.num_batch_shards(rows, b))
+  held_out = {name: b for name, b in held_out.items() if b}
   if not held_out:
     return None
   step = jax.jit(make_eval_step(cfg, mesh))
 
   def evaluate(params):
-    ce, count = 0.0, 0
-    for b in held_out:
-      c, n = step(params, {k: jax.device_put(v, NamedSharding(mesh, P(*rows.spec[:np.ndim(v)])))
-                           for k, v in b.items()})
-      ce, count = ce + float(c), count + int(n)
-    mean = ce / max(count, 1)
-    return {'eval/lm/validation/CE loss': mean,
-            'eval/lm/validation/PPL': float(np.exp(min(mean, 80.0)))}
+    out = {}
+    for name, held in held_out.items():
+      ce, count = 0.0, 0
+      for b in held:
+        placed = {k: jax.device_put(v, NamedSharding(mesh, P(*rows.spec[:np.ndim(v)])))
+                  for k, v in b.items()}
+        c, n = step(params, placed)
+        ce, count = ce + float(c), count + int(n)
+      mean = ce / max(count, 1)
+      out[f'eval/lm/{name}/CE loss'] = mean
+      out[f'eval/lm/{name}/PPL'] = float(np.exp(min(mean, 80.0)))
+    return out
   return evaluate
 
 
@@ -285,7 +308,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
     ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
     if not ckpt.committed_steps():
-      step_dirs.check_fresh_start(ckpt.directory, workdir)
+      misplaced = step_dirs.check_fresh_start(ckpt.directory, workdir)
+      if misplaced:
+        health.warn(f'WARNING: {misplaced}')
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
@@ -317,9 +342,12 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
     print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '
           '--config.train.steps to train further.', flush=True)
   evaluate = held_out_evaluator(cfg, mesh)
+  downstream = in_loop.downstream_evaluator(cfg, mesh)  # OLMo-core's in-loop olmo_eval tasks
+  tracker = tracking.Tracker.for_run(cfg, workdir)  # W&B (train.wandb), off this thread
+  profile = profiler.StepProfiler(cfg.train, workdir)  # train.profile_steps
 
   def watchers(start):  # what judges and records the steps after `start`; anew at a rollback
-    writer = metrics.MetricWriter(workdir, start)  # drops records past `start`, as a resume does
+    writer = metrics.MetricWriter(workdir, start, tracker=tracker)  # drops records past `start`
     guard = health.DivergenceGuard(cfg.train)
     return (health.RepeatTracker.for_run(ds, loader) if cfg.train.track_repeats else None,
             health.MemorizationWatch(cfg.train.memorization_threshold,
@@ -328,16 +356,18 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
   repeats, memorization, writer, guard, progress = watchers(start)
   preempt, heartbeat = health.Preemption(), health.Heartbeat()
   version = metrics.code_version()
-  last = {}
+  last, exit_code = {}, 0
   try:  # the first beat follows the first step: its compile is paused (health.Heartbeat)
     while step < cfg.train.steps:
       t0 = time.perf_counter()
       batch = next(loader)
       wait = time.perf_counter() - t0
       ckpt.poll()  # a failed background save stops the run now, not at the next save
+      profile.before_step(step + 1)
       with heartbeat.compiling('train step'):
         state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
       step += 1
+      profile.after_step(step, state)
       step_metrics = {**step_metrics, **recovery.counters(step)}
       if repeats is not None:  # host-side: the ids of the batch just taken
         step_metrics = {**step_metrics, 'data/repeated instances': repeats.observe(
@@ -361,13 +391,25 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         continue
       # Not on preemption: the grace period is for the checkpoint.
       if evaluate and (step % cfg.train.eval_every == 0 or finished) and not preempted:
+        t_eval = time.perf_counter()
         with heartbeat.compiling('evaluation'):
           val = evaluate(state.params)
-        writer.write(step, {**val, **memorization.observe_eval(
-            step, val['eval/lm/validation/CE loss'])})
+        val['eval/lm/time (s)'] = time.perf_counter() - t_eval
+        held = val.get('eval/lm/validation/CE loss')  # the memorization watch's held-out set
+        writer.write(step, {**val, **(memorization.observe_eval(step, held)
+                                      if held is not None else {})})
         last.update(val)
-        print(f"step {step:>7d}  validation loss {val['eval/lm/validation/CE loss']:.4f}",
-              flush=True)
+        print(f'step {step:>7d}  {held_out_line(val)}', flush=True)
+      if (downstream and (step % cfg.train.downstream_eval_every == 0 or finished)
+          and not preempted):
+        t_eval = time.perf_counter()
+        with heartbeat.paused():  # minutes at 7B, no step beats meanwhile
+          down = downstream(state.params)
+        down['eval/downstream/time (s)'] = time.perf_counter() - t_eval
+        writer.write(step, down)
+        last.update(down)
+        print(f"step {step:>7d}  downstream {in_loop.headline(down)} "
+              f"({down['eval/downstream/time (s)']:.1f}s)", flush=True)
       if save:
         writer.flush()  # in a bucket: the records through this step, before it commits
         ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version, recovery),
@@ -378,6 +420,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         raise SystemExit(errors.EXIT_PREEMPTED)
       heartbeat.beat()
   except BaseException as e:
+    exit_code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
     # Waiting for an in-flight save would block on peers that may wait on us
     # (multi-process); abandon it: uncommitted saves are ignored on resume.
     if jax.process_count() == 1 or isinstance(e, SystemExit):
@@ -390,9 +433,17 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
     ckpt.close()
   finally:
     preempt.close()
+    profile.close()  # a trace cut short by the end of the loop is still saved
     loader.close()
     writer.close()
+    tracker.close(exit_code)  # after the writer's last record; waits a bounded time
   return state, last
+
+
+def held_out_line(val: dict[str, float]) -> str:
+  """'validation loss 5.0712  c4_en-validation loss 4.2  (1.3s)': each set, and the time."""
+  losses = [f'{k.split("/")[2]} loss {v:.4f}' for k, v in val.items() if k.endswith('/CE loss')]
+  return '  '.join(losses) + f"  ({val['eval/lm/time (s)']:.1f}s)"
 
 
 # --- The command line -------------------------------------------------------------------

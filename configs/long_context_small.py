@@ -40,4 +40,5 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 5
   t.ckpt_every = 20
   t.eval_every = 20
+  t.eval_tasks = ()  # as stage 3: no downstream evals under context parallelism
   return c

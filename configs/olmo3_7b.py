@@ -8,6 +8,24 @@ below names its source; docs/recipe.md and docs/architecture.md explain them.
 import ml_collections
 from ml_collections import config_dict
 
+# OLMo-core olmo_core/eval/task_groups.py TASK_GROUPS['fast'], sorted as with_recommended_evals
+# sorts it: OLMES ARC/HellaSwag/MMLU as BPB and fast MC, basic skills RC, code and math BPB,
+# and copycolors (an MC sanity check).
+FAST_TASKS = (
+    'arc_challenge_test_bpb_5shot', 'arc_challenge_test_mc_5shot_fast',
+    'arc_easy_test_bpb_5shot', 'arc_easy_test_mc_5shot_fast',
+    'basic_skills_arithmetic_rc_5shot', 'basic_skills_coding_rc_5shot',
+    'basic_skills_common_knowledge_rc_5shot', 'basic_skills_logical_reasoning_rc_5shot',
+    'basic_skills_pattern_rc_5shot', 'basic_skills_string_operations_rc_5shot',
+    'codex_humaneval_gold_bpb_3shot', 'codex_mbpp_gold_bpb_3shot', 'copycolors_10way_fast',
+    'hellaswag_bpb_5shot', 'minerva_math_500_gold_bpb_0shot',
+    'mmlu_humanities_test_bpb_5shot', 'mmlu_humanities_test_mc_5shot_fast',
+    'mmlu_other_test_bpb_5shot', 'mmlu_other_test_mc_5shot_fast',
+    'mmlu_social_sciences_test_bpb_5shot', 'mmlu_social_sciences_test_mc_5shot_fast',
+    'mmlu_stem_test_bpb_5shot', 'mmlu_stem_test_mc_5shot_fast',
+    'mt_mbpp_cpp_gold_bpb_3shot', 'mt_mbpp_java_gold_bpb_3shot', 'mt_mbpp_rust_gold_bpb_3shot',
+)
+
 
 def model_config() -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
@@ -87,7 +105,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.stable_packing = False
   c.data.cache_dir = ''  # where the global permutation is cached; '' -> <workdir>/data_cache
   c.data.prefetch = 2  # batches prepared ahead by the background thread
+  # gs://, s3://, http(s):// token files: a local folder keeping every byte range read, so a
+  # second epoch or a restart reads them from disk ('' -> no cache). docs/data.md#remote-data.
+  c.data.remote_cache_dir = ''
   c.data.validation_paths = ()  # held-out token files (e.g. C4-en validation)
+  # More held-out sets, {name: (token files, ...)}: each logged as eval/lm/<name>/CE loss and
+  # PPL, as OLMo-core's LMEvaluator labels its sets (its v3-small-ppl-validation mix:
+  # 'c4_en-validation', 'pile-validation', ...); validation_paths keeps the name 'validation'.
+  # --config.data.validation_sets="{'c4_en-validation': ('/data/c4_val.npy',)}"
+  c.data.validation_sets = ml_collections.ConfigDict()
   # OLMo-core NumpyFSLDatasetConfig.max_target_sequence_length (part of the data
   # fingerprint); -1 means seq_len, as pretrain-1 sets it.
   c.data.max_target_sequence_length = -1
@@ -130,7 +156,31 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.keep_last = 3  # committed checkpoints kept besides keep_every ones
   c.train.keep_every = 10_000  # permanently kept checkpoints (0 = none)
   c.train.eval_every = 1000  # held-out loss cadence (0 = never)
+  # In-loop downstream evals (evaluation/in_loop.py; docs/evaluation.md): olmo_eval task
+  # names, scored every downstream_eval_every steps and at the last step. OLMo-core's Olmo 3
+  # scripts: with_recommended_evals(task_set='fast', eval_interval=1000), i.e. these 26
+  # tasks (olmo_core/eval/task_groups.py FAST_TASKS, sorted) at the end of training too.
+  # (The official pretrain-1 script runs the same 26 every 10,000 steps, and not at the end.)
+  c.train.eval_tasks = FAST_TASKS
+  c.train.downstream_eval_every = 1000  # OLMo-core with_recommended_evals: eval_interval
+  # Rows of data.seq_len tokens per scoring forward, over all devices; 0: micro_batch_size
+  # per batch shard (OLMo-core: eval_batch_spec = rank_microbatch_size tokens per rank).
+  c.train.downstream_eval_batch_size = 0
+  c.train.downstream_eval_limit = 0  # ours: only the first N documents per task (0: all)
   c.train.peak_flops = config_dict.placeholder(float)  # per-device peak override for MFU
+  # A jax.profiler trace of the steps logged START..STOP, e.g. (5, 7), into <workdir>/profile
+  # (ours, as OLMo-core's ProfilerCallback; profiler.py, docs/monitoring.md); () = off.
+  c.train.profile_steps = ()
+  c.train.profile_hosts = (0,)  # the processes that trace
+  # Weights & Biases (tracking.py; pip install '.[wandb]'): OLMo-core WandBCallback's fields.
+  c.train.wandb = ml_collections.ConfigDict()
+  c.train.wandb.project = ''  # WandBCallback.project; '' = W&B off
+  c.train.wandb.entity = ''  # WandBCallback.entity (team); '' = the API key's default
+  c.train.wandb.run_name = ''  # WandBCallback.name; '' = the workdir's basename
+  c.train.wandb.group = ''  # WandBCallback.group
+  c.train.wandb.tags = ()  # WandBCallback.tags
+  c.train.wandb.mode = ''  # ours: wandb.init mode online | offline | disabled; '' = WANDB_MODE
+  c.train.wandb.init_timeout = 60.0  # ours: seconds wandb.init may take (in the background)
   c.train.reset_step_on_init = False  # stage 2 sets True: keep moments, restart step and schedule
   c.train.allow_config_change = False  # ours: resume despite changed shapes/data/seeds (train.py)
   # The divergence guard (ours; train.DivergenceGuard). A run stops, keeping

@@ -25,4 +25,6 @@ def get_config() -> ml_collections.ConfigDict:
   # OLMo-core midtrain loads the stage-1 model and optimizer state (moments and
   # Adam count) but starts at trainer step 0: fresh schedule and data order.
   c.train.reset_step_on_init = True  # train.py: apply optim.stage2_reset after loading init_from
+  # Stage 1's downstream evals (train.eval_tasks, every 1000 steps) stay on: the official
+  # midtrain script attaches none, but they only read the weights; '()' turns them off.
   return c

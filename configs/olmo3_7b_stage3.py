@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.mesh_context = 8  # long-context script: llama3(degree=8): 8,192 tokens per device
   t.micro_batch_size = 1  # long-context script: rank_microbatch_size = one instance
   t.ckpt_every = 1000  # long-context script: save_interval=1000
+  # long-context script: no downstream evaluator (OLMo-core's needs full logits, which
+  # context parallelism does not give; evaluation/in_loop.py runs without CP too).
+  t.eval_tasks = ()
   # long-context script: load_path stage2/step47684 with load_optim_state=True,
   # load_trainer_state=False: moments kept; step, schedule and data restart.
   t.reset_step_on_init = True

@@ -62,4 +62,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.ckpt_every = 100
   t.keep_every = 0
   t.eval_every = 50
+  # Downstream evals (configs/olmo3_7b.py has OLMo-core's 26): four of them, each task's
+  # first 20 documents (19k tokens in 10 forwards of 8 x 256: about two training steps'
+  # time), at steps 150 and 300: OLMES ARC-Easy as BPB and as fast MC, basic-skills
+  # arithmetic (RC), copycolors (fast MC). Their answers are at most 22 tokens here, so any
+  # data.seq_len >= 22 scores them.
+  t.eval_tasks = ('arc_easy_test_bpb_5shot', 'arc_easy_test_mc_5shot_fast',
+                  'basic_skills_arithmetic_rc_5shot', 'copycolors_10way_fast')
+  t.downstream_eval_every = 150
+  t.downstream_eval_limit = 20
   return c

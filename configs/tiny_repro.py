@@ -55,4 +55,5 @@ def get_config() -> ml_collections.ConfigDict:
   t.ckpt_every = 200  # only the final state is read back
   t.keep_last = 1
   t.eval_every = 0  # the script evaluates both final models on the same held-out batches
+  t.eval_tasks = ()  # and compares losses only: no downstream evals in its many runs
   return c

@@ -21,7 +21,7 @@ carry a segment id no query has). S is static: the chunk's largest possible
 causal reach, or L + W - 1 under a window W. The queries are then the
 buffer's last L rows:
 
-  'xla'     query blocks against only the keys their band reaches (xla._attend)
+  'xla'     query blocks against only the keys their band reaches (xla.attend_block)
   stand-in  plan.py's O(S)-memory stand-in with the shapes above
 
 The Pallas kernel instead takes both of a device's chunks at once against the
@@ -107,8 +107,8 @@ def xla_local(q_BLHK, k_BSGK, v_BSGK, seg_BS, window: int | None, block_q: int |
       mask_TS &= cols_1S > rows_T1 - window
     seg_q_BT = seg_BS[:, q_lo + s - l:q_hi + s - l]
     mask_BTS = mask_TS[None] & (seg_q_BT[:, :, None] == seg_BS[:, None, k_lo:k_hi])
-    outs.append(xla._attend(q_BGRLK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
-                            v_BGSK[:, :, k_lo:k_hi], mask_BTS))
+    outs.append(xla.attend_block(q_BGRLK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
+                                 v_BGSK[:, :, k_lo:k_hi], mask_BTS))
   return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, l, h, kd)
 
 

@@ -107,16 +107,19 @@ def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *,
     k_hi = q_hi + s - t  # causal: nothing after the block's last query
     k_lo = 0 if window is None else max(0, q_lo + s - t - window + 1)
     mask_BTS = attention_mask(t, s, window, segment_ids_BT, (q_lo, q_hi), (k_lo, k_hi))
-    outs.append(_attend(q_BGRTK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
-                        v_BGSK[:, :, k_lo:k_hi], mask_BTS))
+    outs.append(attend_block(q_BGRTK[:, :, :, q_lo:q_hi], k_BGSK[:, :, k_lo:k_hi],
+                             v_BGSK[:, :, k_lo:k_hi], mask_BTS))
   out_BGRTK = jnp.concatenate(outs, axis=3)
   return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k)
 
 
 @jax.custom_vjp
-def _attend(q_BGRTK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array, mask_BTS: jax.Array
-            ) -> jax.Array:
-  """softmax(q k^T / sqrt(K), masked) v for one query block; every row sees >= 1 key."""
+def attend_block(q_BGRTK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array, mask_BTS: jax.Array
+                 ) -> jax.Array:
+  """softmax(q k^T / sqrt(K), masked) v for one query block; every row sees >= 1 key.
+
+  Public: context_parallel.py's xla path runs its query blocks through it too.
+  """
   return _attend_fwd(q_BGRTK, k_BGSK, v_BGSK, mask_BTS)[0]
 
 
@@ -146,4 +149,4 @@ def _attend_bwd(residuals, dout_BGRTK):
   return dq_BGRTK, dk_BGSK, dv_BGSK, None
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+attend_block.defvjp(_attend_fwd, _attend_bwd)

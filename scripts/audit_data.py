@@ -2,6 +2,7 @@
 
   python scripts/audit_data.py --config=configs/olmo3_7b.py --config.data.mix_file=MIX \
       [--devices=512] [--steps=N] [--resume_every=1000] [--all_epochs] [--content] [--ngrams]
+      [--workdir=W]   # W's rollbacks.jsonl: the global batches its rollbacks skip
   python scripts/audit_data.py --config=configs/olmo3_7b.py --num_instances=723872768  # order only
 
 1. Order (always). The planned steps are driven through data.Loader itself
@@ -14,7 +15,10 @@
    each instance id is read at most once, and exactly once in a complete epoch
    except the tail OLMo-core drops (N mod B). With --num_instances (or a mix
    whose files are absent but list their sizes) it needs no token files: the
-   order depends only on N, the seed and the epoch.
+   order depends only on N, the seed and the epoch. The global batches the run
+   skips (train.skip_batches, and with --workdir the windows its rollbacks
+   logged) are passed over as the run passes them, so its steps reach the next
+   epoch as much sooner as the run's do.
 
    A run of at most 4 epochs is driven step by step, every epoch. A longer one
    reads the same N instances again each epoch, and driving all of them is
@@ -73,6 +77,7 @@ import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
 import health  # noqa: E402
+import rollback  # noqa: E402
 import token_files  # noqa: E402
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
@@ -117,22 +122,28 @@ class _IdLoader(data.Loader):
     return self.ids_at(epoch, step)
 
 
-def plan(num_instances: int, global_batch_size: int, steps: int) -> dict[str, Any]:
+def plan(num_instances: int, global_batch_size: int, steps: int,
+         skips: data.Skips | None = None) -> dict[str, Any]:
   """How often `steps` global batches read the data: epochs and the repetition factor.
 
   The repetition factor is ids read / distinct ids read. Within one epoch the
   ids are distinct (steps x B of them); past one, the distinct ids are taken as
   all N (the dropped tail differs from epoch to epoch), an upper bound, so the
-  factor is then a lower bound.
+  factor is then a lower bound. `skips` (the run's skipped global batches:
+  train.skip_batches and its rollbacks) push the steps on: the run reaches
+  later epochs sooner.
   """
   B, N = global_batch_size, num_instances
   per_epoch = N // B
   if per_epoch == 0:
     raise ValueError(f'global_batch_size {B} exceeds the {N} instances in the dataset.')
   read = steps * B
+  skips = skips or data.Skips()
+  reach = skips.nth(steps - 1) + 1 if steps else 0  # global batches passed, skipped ones too
   return {'instances': N, 'global_batch': B, 'batches_per_epoch': per_epoch, 'steps': steps,
-          'ids_read': read, 'epochs': -(-steps // per_epoch), 'complete_epochs': steps // per_epoch,
-          'repetition': read / min(read, N), 'dropped_tail_per_epoch': N - per_epoch * B}
+          'ids_read': read, 'epochs': -(-reach // per_epoch), 'complete_epochs': reach // per_epoch,
+          'repetition': read / min(read, N), 'dropped_tail_per_epoch': N - per_epoch * B,
+          'skipped_batches': skips.skipped_before(reach), 'skips': skips.windows}
 
 
 def repetition_warning(p: dict[str, Any], seq_len: int, steps_name: str = 'cfg.train.steps',
@@ -183,8 +194,11 @@ def audited_epochs(epochs: int, per_epoch: int, steps: int, resume_every: int) -
 def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1,
                 micro_batch_size: int | None = None, resume_every: int = 0,
                 cache_dir: str | None = None, all_epochs: bool = False,
-                progress: bool = False) -> dict[str, Any]:
+                progress: bool = False, skips: data.Skips | None = None) -> dict[str, Any]:
   """Drives the planned `steps` through data.Loader; every id once per epoch, or where not.
+
+  With `skips` the loader passes over those global batches, as the run does: an
+  epoch holding a window reads its other batches only.
 
   A run of at most _FULL_EPOCHS epochs (or any, with `all_epochs`) is driven
   step by step. A longer one, which reads the same N instances again each
@@ -193,7 +207,8 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
   vouched for by construction, not by reading (see the module docstring).
   """
   B, N = cfg_data.global_batch_size, ds.num_instances
-  report = plan(N, B, steps)
+  skips = skips or data.Skips()
+  report = plan(N, B, steps, skips)
   per_epoch, epochs = report['batches_per_epoch'], report['epochs']
   positions = batches.batch_positions(B, devices)  # row -> global-batch position, rank-major
   mb = micro_batch_size or B // devices
@@ -202,8 +217,9 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
   audited = list(range(1, epochs + 1)) if full else audited_epochs(epochs, per_epoch, steps,
                                                                    resume_every)
   windows = []  # [first step, end step) of each run of consecutive audited epochs
-  for e in audited:
-    begin, end = (e - 1) * per_epoch, min(e * per_epoch, steps)
+  for e in audited:  # the steps that read epoch e's batches
+    begin = skips.count_before((e - 1) * per_epoch)
+    end = min(skips.count_before(e * per_epoch), steps)
     if windows and windows[-1][1] == begin:
       windows[-1][1] = end
     else:
@@ -238,10 +254,12 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
 
   def open_loader(k: int, state: dict[str, Any] | None = None) -> _IdLoader:
     if state is None:  # where a resume at step k must start (data.check_position)
-      loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B, epoch=1 + k // per_epoch,
-                         step=k % per_epoch, cache_dir=cache_dir)
+      loader = _IdLoader(ds, seed=cfg_data.seed, global_batch_size=B,
+                         epoch=1 + skips.nth(k) // per_epoch, step=skips.nth(k) % per_epoch,
+                         cache_dir=cache_dir, skips=skips)
     else:  # as train.py resumes from a checkpoint, position checked against k
-      loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir)
+      loader = _IdLoader.from_config(cfg_data, ds, state=state, step=k, cache_dir=cache_dir,
+                                     skips=skips)
     loader.positions = positions  # W ranks: row block r is rank r's instances, in its order
     loader.stop_at_epoch_end = True  # no read-ahead into an epoch the plan never reaches
     return loader
@@ -275,7 +293,7 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
       else:  # the stretch ran to its end: the next (unaudited) epoch starts where it should
         state = loader.state()
         try:
-          data.check_position(state, ds, end)
+          data.check_position(state, ds, end, skips=skips)
         except ValueError:
           lost.append(f"after {end:,} steps the loader is at epoch {state['epoch']}, step "
                       f"{state['step']}, not where {end:,} batches of {B} lead ({per_epoch} per "
@@ -285,7 +303,10 @@ def audit_order(ds: data.Dataset, cfg_data: Any, *, steps: int, devices: int = 1
       loader.close()
   if progress and to_drive >= _CHUNK_STEPS:
     sys.stderr.write('\n')
-  complete = sorted(e for e, n in marked.items() if n == per_epoch * B)
+  def unskipped(e: int) -> int:  # the batches of epoch e the run reads
+    return per_epoch - skips.skipped_before(e * per_epoch) + skips.skipped_before(
+        (e - 1) * per_epoch)
+  complete = sorted(e for e, n in marked.items() if n == unskipped(e) * B)
   report.update({
       'ranks': devices, 'micro_batches': accum, 'micro_batch_size': mb, 'all_epochs': full,
       'audited_epochs': audited, 'audited_steps': driven, 'ids_audited': int(sum(marked.values())),
@@ -310,7 +331,11 @@ def order_summary(order: dict[str, Any]) -> list[str]:
       f"instances: {order['epochs']:,} epochs of {order['batches_per_epoch']:,} batches "
       f"({order['complete_epochs']:,} complete), repetition {_times(order['repetition'])} (ids "
       f"read / distinct ids); each epoch drops the last {order['dropped_tail_per_epoch']:,} "
-      'instances, as OLMo-core does.',
+      'instances, as OLMo-core does.'
+      + (f" The run skips global batches {data.Skips(order['skips'])} "
+         '(train.skip_batches and the workdir\'s rollbacks.jsonl): '
+         f"{order['skipped_batches']:,} batches never read, so its steps reach later epochs "
+         'sooner.' if order.get('skips') else ''),
       f"audited {'every epoch' if order['all_epochs'] else f'{len(audited)} epochs'} "
       f"({shown}) step by step through data.Loader: {order['audited_steps']:,} steps, "
       f"resumes: {order['resumes']:,} of the {order['resumes_planned']:,} planned, "
@@ -411,16 +436,15 @@ class _Buckets:
         yield rec['ref'][a:b + 1]
 
 
-def _tokens(file: token_files.TokenFile) -> np.ndarray:
-  return np.memmap(file.path, '<u4', mode='r', offset=file.header, shape=(file.num_tokens,))
-
-
 def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: int = 1024,
                   min_doc_tokens: int = 32, ngrams: bool = False,
-                  rf: batches.RepetitionFilter = batches.RepetitionFilter()) -> dict[str, Any]:
-  """Identical instances, repeated documents and (with `ngrams`) repetition statistics."""
+                  rf: batches.RepetitionFilter = batches.RepetitionFilter(),
+                  validation: data.Dataset | None = None) -> dict[str, Any]:
+  """Identical instances, repeated documents and (with `ngrams`) repetition statistics; with
+  `validation` (the held-out set), held-out documents with exact copies in training."""
   T, eos = ds.seq_len, ds.eos_token_id
-  total_tokens = sum(f.num_tokens for f in ds.files)
+  held = validation.files if validation else ()
+  total_tokens = sum(f.num_tokens for f in (*ds.files, *held))
   buckets = max(1, math.ceil((ds.num_instances + total_tokens // 64) * _RECORD.itemsize * 3
                              / (memory_mb * 2**20)))  # sorting a bucket takes ~3x its size
   if buckets > _MAX_BUCKETS:  # two open files per bucket: stay well inside ulimit -n 1024
@@ -437,8 +461,8 @@ def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: in
     inst = _Buckets(os.path.join(work, 'i'), buckets)
     doc = _Buckets(os.path.join(work, 'd'), buckets)
     rows = max(1, _CHUNK_TOKENS // T)
-    for f, file in enumerate(ds.files):
-      tokens = _tokens(file)
+    for f in range(len(ds.files)):
+      tokens = ds.maps.sequential(f)  # a memory map, or a remote file read in chunks
       n = int(ds.starts[f + 1] - ds.starts[f])
       for r in range(0, n, rows):
         chunk_nT = np.asarray(tokens[r * T:min(n, r + rows) * T]).reshape(-1, T)
@@ -449,8 +473,16 @@ def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: in
           rejected += int(np.count_nonzero(times >= max(rf.max_count, 3)))
           times_hist.update(np.minimum(times, 64).tolist())
       docs += _hash_documents(tokens, eos, f, min_doc_tokens, doc)
+    n = len(ds.files)  # held-out documents are entries n, n + 1, ...: split from the rest below
+    val_docs = sum(_hash_documents(validation.maps.sequential(j), eos, n + j, min_doc_tokens, doc)
+                   for j in range(len(held)))
     instance_groups = [g.astype(np.int64) for g in inst.groups()]
-    doc_groups = [g for g in doc.groups()]
+    split = [(g[g >> np.uint64(40) < n], g[g >> np.uint64(40) >= n]) for g in doc.groups()]
+    crossed = [(train, val) for train, val in split if train.size and val.size]
+    doc_groups = [train for train, _ in split if train.size > 1]
+  files = (*ds.files, *held)
+  where = lambda r: {'file': files[int(r >> np.uint64(40))].path,  # noqa: E731
+                     'token_offset': int(r & np.uint64((1 << 40) - 1))}
   dup_instances = sum(g.size - 1 for g in instance_groups)
   across = [g for g in doc_groups if np.unique(g >> np.uint64(40)).size > 1]
   report = {
@@ -462,11 +494,14 @@ def audit_content(ds: data.Dataset, *, tmp_dir: str | None = None, memory_mb: in
       'documents_repeated_across_entries': int(sum(g.size - 1 for g in across)),
       'documents_repeated_within_an_entry': int(sum(g.size - 1 for g in doc_groups)
                                                 - sum(g.size - 1 for g in across)),
-      'repeated_document_examples': [
-          [{'file': ds.files[int(r >> np.uint64(40))].path, 'entry': int(r >> np.uint64(40)),
-            'token_offset': int(r & np.uint64((1 << 40) - 1))} for r in g[:4]]
-          for g in (across or doc_groups)[:_MAX_EXAMPLES]],
+      'repeated_document_examples': [[{**where(r), 'entry': int(r >> np.uint64(40))} for r in g[:4]]
+                                     for g in (across or doc_groups)[:_MAX_EXAMPLES]],
       'hash_buckets': buckets}
+  if held:  # exact copies across the split: held-out loss that measures memory
+    report.update({'validation_documents_hashed': val_docs,
+                   'validation_documents_in_training': int(sum(v.size for _, v in crossed)),
+                   'validation_copy_examples': [{'validation': where(v[0]), 'training': where(t[0])}
+                                                for t, v in crossed[:_MAX_EXAMPLES]]})
   if ngrams:
     report['ngrams'] = {
         'filter': rf._asdict(), 'rejected_instances': rejected,
@@ -557,7 +592,8 @@ def main(argv):
     config_checks.complete(cfg)  # tokenizer settings a mix states about itself, as train.py
     ds = build_dataset(cfg.data, FLAGS.num_instances)
     steps = FLAGS.steps or cfg.train.steps
-    warning = repetition_warning(plan(ds.num_instances, cfg.data.global_batch_size, steps),
+    skips = rollback.run_skips(cfg.train, FLAGS.workdir)  # skip_batches + the run's rollbacks
+    warning = repetition_warning(plan(ds.num_instances, cfg.data.global_batch_size, steps, skips),
                                  cfg.data.seq_len,
                                  '--steps' if FLAGS.steps else 'cfg.train.steps')
     if warning:  # before the audit: it is the finding that matters most, and known already
@@ -567,14 +603,17 @@ def main(argv):
         ds, cfg.data, steps=steps, devices=FLAGS.devices,
         micro_batch_size=FLAGS.micro_batch_size or cfg.train.micro_batch_size,
         resume_every=resume_every, cache_dir=FLAGS.cache_dir or None,
-        all_epochs=FLAGS.all_epochs, progress=True)}
+        all_epochs=FLAGS.all_epochs, progress=True, skips=skips)}
     report['warnings'] = [warning] if warning else []
     if FLAGS.content or FLAGS.ngrams:
       if isinstance(ds, SizedDataset):
         raise FileNotFoundError('--content/--ngrams read the token files; they are absent.')
+      held = (data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths))
+              if FLAGS.content and cfg.data.validation_paths else None)
       report['content'] = audit_content(ds, tmp_dir=FLAGS.tmp_dir or None,
                                         memory_mb=FLAGS.memory_mb,
-                                        min_doc_tokens=FLAGS.min_doc_tokens, ngrams=FLAGS.ngrams)
+                                        min_doc_tokens=FLAGS.min_doc_tokens, ngrams=FLAGS.ngrams,
+                                        validation=held)
   except errors.UserError as e:
     errors.report(str(e), e.exit_code)
   except FileNotFoundError as e:
@@ -597,6 +636,14 @@ def main(argv):
           f"{content['documents_repeated_within_an_entry']} of {content['documents_hashed']:,}")
     for group in content['identical_instance_groups']:
       print('  identical: ' + ', '.join(f"id {g['id']} ({g['file']})" for g in group))
+  if 'validation_documents_hashed' in content:
+    ex = content['validation_copy_examples']
+    print(f"held-out documents (>= {content['min_doc_tokens']} tokens) with an exact copy in "
+          f"training: {content['validation_documents_in_training']} of "
+          f"{content['validation_documents_hashed']:,}" + (
+              f" (e.g. {ex[0]['validation']['file']} @ token "
+              f"{ex[0]['validation']['token_offset']} = {ex[0]['training']['file']} @ token "
+              f"{ex[0]['training']['token_offset']})" if ex else ''))
   if 'ngrams' in content:
     ng = content['ngrams']
     print(f"ngrams: OLMo-core's filter {ng['filter']} rejects {ng['rejected_instances']} "
@@ -641,6 +688,8 @@ def define_flags() -> None:
   flags.DEFINE_string('tmp_dir', '', '--content: where hash buckets spill (default: TMPDIR).')
   flags.DEFINE_integer('min_doc_tokens', 32, '--content: shorter documents are not compared.')
   flags.DEFINE_string('json', '', 'Also write the full report here.')
+  flags.DEFINE_string('workdir', '', "The run's workdir: the global batches its rollbacks "
+                      '(rollbacks.jsonl) skip are skipped here too, as train.skip_batches is.')
 
 
 if __name__ == '__main__':

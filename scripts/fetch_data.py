@@ -14,7 +14,9 @@ mix `label,absolute path,bytes` is written only once every file is in place:
       --config.data.mix_file=/data/olmo3/OLMo-mix-0925-official.txt
 
 --list prints files, bytes and tokens per source (from HEAD requests) and
-downloads nothing. Rerunning a fetch resumes partial files and skips
+downloads nothing. --remote_mix=MIX.txt downloads nothing either: it writes a
+mix of the URLs and their sizes, which train.py reads remotely, by byte range
+(docs/data.md#remote-data); the sizes let it check each file with one request. Rerunning a fetch resumes partial files and skips
 complete ones.
 
 A host that cannot be reached stops the listing or the fetch at the first
@@ -203,8 +205,24 @@ def write_local_mix(path: str, rows: list[tuple[str, str, int]], header: str) ->
     for label, file, size in rows:
       if ',' in label or ',' in file:
         raise ValueError(f'{label},{file}: a comma in a label or path breaks the mix format.')
-      f.write(f'{label},{file},{size}\n')
+      f.write(f'{label},{file},{size}\n' if size is not None else f'{label},{file}\n')
   os.replace(tmp, path)
+
+
+def write_remote_mix(path: str, files: list[tuple[str, str]], urls: list[str], found: list,
+                     missing: list) -> int:
+  """--remote_mix: a mix of the URLs themselves, with the sizes the server stated, for
+  train.py to read remotely (docs/data.md#remote-data); nothing is downloaded."""
+  if missing and not FLAGS.skip_missing:
+    shown = '\n  '.join(str(e) for _, e in missing[:10])
+    sys.exit(f'error: {len(missing)} of {len(files)} files are unavailable:\n  {shown}\n'
+             'Fix --base_url (or the mix), or pass --skip_missing to leave them out.')
+  rows = [(l, u, s) for (l, _), u, s in zip(files, urls, found)
+          if not isinstance(s, download.DownloadError)]
+  write_local_mix(path, rows, f'{len(rows)} files of {FLAGS.mix} at {FLAGS.base_url}, read '
+                  'remotely; written by scripts/fetch_data.py --remote_mix')
+  print(f'remote mix: {path}  (--config.data.mix_file={path}; {len(rows)} files)')
+  return 0
 
 
 def main(argv):
@@ -212,8 +230,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.mix:
     raise app.UsageError('--mix is required (a name from olmo_core/data/mixes/ or a file).')
-  if not FLAGS.list and not FLAGS.output_dir:
-    raise app.UsageError('--output_dir is required to download (or pass --list).')
+  if not FLAGS.list and not FLAGS.output_dir and not FLAGS.remote_mix:
+    raise app.UsageError('--output_dir is required to download (or pass --list or --remote_mix).')
   try:
     files = entries(FLAGS.mix, FLAGS.tokenizer_id, tuple(FLAGS.labels), FLAGS.max_files)
     urls = [url_of(FLAGS.base_url, p) for _, p in files]
@@ -224,6 +242,8 @@ def main(argv):
       for url, err in missing:
         print(f'unavailable: {url}: {err}', file=sys.stderr)
       return 1 if missing else 0
+    if FLAGS.remote_mix:
+      return write_remote_mix(FLAGS.remote_mix, files, urls, found, missing)
     if missing and not FLAGS.skip_missing:
       shown = '\n  '.join(str(e) for _, e in missing[:10])
       sys.exit(f'error: {len(missing)} of {len(files)} files are unavailable:\n  {shown}\n'
@@ -281,6 +301,8 @@ def define_flags() -> None:
       "The instance ids, and so the data order, then differ from Ai2's run.")
   flags.DEFINE_string('local_mix', '', "Local mix file to write; '' -> "
                       'OUTPUT_DIR/<mix name>.txt.')
+  flags.DEFINE_string('remote_mix', '', 'Download nothing: write this mix of the files\' URLs '
+                      'and sizes (`label,url,bytes`), for train.py to read them remotely.')
   flags.DEFINE_integer('seq_len', 8192, '--list: instances per source at this length '
                        '(OLMo-core pretrain-1: 8192).')
   flags.DEFINE_integer('workers', 8, 'Parallel downloads (and HEAD requests).')

@@ -34,15 +34,17 @@ import data  # noqa: E402
 import errors  # noqa: E402
 import packed  # noqa: E402
 import rollback  # noqa: E402
+import storage  # noqa: E402
 
 
 def describe(cfg, *, step: int | None = None, batch: int | None = None, rank: int | None = None,
              num_ranks: int = 1, workdir: str = '', checkpoint_dir: str = '',
              checkpoint_step: int | None = None, preview_tokens: int = 48) -> dict:
   """{'step', 'global_batch', 'epoch', 'epoch_step', 'instances': [...]} for one step or batch."""
-  config_checks.complete(cfg)
+  config_checks.complete(cfg, announce=False)  # stdout is the report (--json: one object)
   skips = rollback.run_skips(cfg.train, workdir)
-  cache_dir = cfg.data.cache_dir or (os.path.join(workdir, 'data_cache') if workdir else None)
+  cache_dir = cfg.data.cache_dir or (storage.local_cache_dir(workdir, 'data_cache') if workdir
+                                      else None)  # as train.py: local for a bucket workdir
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # the run's, as train.py sets it
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
   n = data.batches_per_epoch(ds, B)
@@ -86,7 +88,7 @@ def describe(cfg, *, step: int | None = None, batch: int | None = None, rank: in
 
 def _source(ds, instance: int, T: int) -> dict:
   if isinstance(ds, packed.PackedDataset):
-    docs = ds._instance_documents(instance)  # pylint: disable=protected-access
+    docs = ds.instance_documents(instance)
     return {'sources': [{'file': ds.files[f].path, 'token_offset': s, 'length': length}
                         for f, s, length in docs]}
   f = int(np.searchsorted(ds.starts, instance, side='right')) - 1
@@ -141,8 +143,20 @@ def print_report(report: dict) -> None:
 FLAGS = flags.FLAGS
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """config_checks.parse_flags (config mistakes in one line), and --config required."""
+  named = {arg.lstrip('-').split('=', 1)[0] for arg in argv[1:]}
+  if 'config' not in named and not named & {'help', 'helpshort', 'helpfull', 'h', '?'}:
+    errors.report('--config is required: the run\'s training config, as train.py was given it '
+                  '(e.g. --config=configs/small.py with the same --config.* overrides).',
+                  errors.EXIT_USAGE)
+  return config_checks.parse_flags(argv)
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value.',
+                  errors.EXIT_USAGE)
   with errors.one_line():
     report = describe(FLAGS.config, step=FLAGS.step, batch=FLAGS.batch, rank=FLAGS.rank,
                       num_ranks=FLAGS.num_ranks, workdir=FLAGS.workdir,
@@ -165,4 +179,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('checkpoint_step', None, 'Its step (default: the latest).')
   flags.DEFINE_integer('preview_tokens', 48, 'Tokens decoded per instance.')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of text.')
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

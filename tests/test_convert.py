@@ -239,3 +239,27 @@ def test_exported_weights_are_readable_like_every_file_written(tmp_path):
   mode = (tmp_path / 'probe').stat().st_mode & 0o777
   modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / 'out').iterdir()}
   assert 'model.safetensors' in modes and set(modes.values()) == {mode}, (modes, oct(mode))
+
+
+def test_equal_settings_are_not_reported_as_differences(caplog):
+  """checked_base (convert.py --from_olmo_core --config): 0.0003 and config.json's
+  lr x alpha_f = 0.00030000000000000003 are one LR, and no_decay patterns that select the
+  same parameters are one setting; a real difference is still logged."""
+  import olmo_core_config  # pylint: disable=import-outside-toplevel
+  from configs import olmo3_7b  # pylint: disable=import-outside-toplevel
+  base = olmo3_7b.get_config()
+  base.opt.lr, base.opt.final_lr, base.opt.no_decay = 0.003, 0.0003, ('embed/.*',)
+  translated = olmo3_7b.get_config()
+  translated.opt.lr, translated.opt.final_lr = 0.003, 0.003 * 0.1
+  translated.opt.no_decay = ('embed/embedding',)  # as _decay_settings writes it
+  assert translated.opt.final_lr != base.opt.final_lr  # the last bits differ
+  sources = {'opt.lr': 'config.json train_module.optim.lr',
+             'opt.final_lr': 'config.json train_module.scheduler.alpha_f x lr',
+             'opt.no_decay': 'model_and_optim/: optim.param_groups.*.weight_decay'}
+  with caplog.at_level('WARNING'):
+    olmo_core_config.checked_base(base, translated, sources)
+  assert '--config has' not in caplog.text
+  base.opt.final_lr, base.opt.no_decay = 0.0003 * (1 + 1e-6), ('embed/.*', 'final_norm/.*')
+  with caplog.at_level('WARNING'):
+    olmo_core_config.checked_base(base, translated, sources)
+  assert '--config has opt.final_lr=' in caplog.text and '--config has opt.no_decay=' in caplog.text

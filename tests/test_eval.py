@@ -395,6 +395,7 @@ def test_compare_detects_a_different_model(lm):
 # --- The CLI on our own checkpoint, all 8 real tasks ------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_our_checkpoint(tmp_path):
   """eval.py on a committed checkpoint (params + a real optimizer state): 8 tasks, held-out
   loss and Paloma-style perplexity, JSON report and table; without --output they go to
@@ -622,6 +623,7 @@ def test_offline_tasks_mode_writes_yamls_lm_eval_loads(tmp_path):
                         errors.EXIT_USAGE, 'drop --checkpoint')
 
 
+@pytest.mark.slow
 def test_convert_made_checkpoint_scores_like_its_hf_source(hf_dir, lm, tmp_path):
   """convert.py --from_hf writes no data config; eval reads vocab, EOS, length from its source."""
   proc = subprocess.run([sys.executable, 'convert.py', f'--from_hf={hf_dir}',

@@ -150,4 +150,73 @@ def test_resume_mistakes_keep_every_checkpoint(tmp_path, mix):
   shutil.copytree(work / 'checkpoints' / 'step_2', misplaced / 'step_2')
   fresh = train_cli(misplaced, f'--config.data.mix_file={mix}', *TINY)
   assert fresh.returncode == 0, fresh.stderr[-3000:]
-  assert f'{misplaced} holds checkpoint steps [2] directly' in fresh.stderr
+  assert f'{misplaced} holds steps [2] (move its step_* directories into' in fresh.stderr
+
+
+# --- Issue 33: mistakes that went through without a word ----------------------------------
+
+
+def _dolma2_mix(mix: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+  """The fixture's token files under a `# tokenizer` line naming dolma2 (its file absent)."""
+  dolma2 = {'name': 'allenai/dolma2-tokenizer', 'file': str(root / 'dolma2.json'),
+            'vocab_size': 100278, 'eos_token_id': 100257, 'pad_token_id': 100277,
+            'bos_token_id': None}
+  lines = [f'# tokenizer {json.dumps(dolma2)}']
+  for line in mix.read_text().splitlines():
+    if line and not line.startswith('#'):
+      label, path, size = line.split(',')
+      lines.append(f'{label},{mix.parent / path},{size}')
+  out = root / 'dolma2.txt'
+  out.write_text('\n'.join(lines) + '\n')
+  return out
+
+
+@pytest.mark.slow
+def test_a_tokenizer_or_validation_file_that_contradicts_the_mix_is_one_line(tmp_path, mix):
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={_dolma2_mix(mix, tmp_path)}',
+                   '--config.data.tokenizer=data/tokenizer.json', *TINY)
+  refused(proc, errors.EXIT_USAGE, 'data.tokenizer=data/tokenizer.json contradicts the mix file',
+          'dolma2', 'without eos_token_id=100257')
+  shard = mix.parent / 'corpus-00000.npy'  # a training file of the mix, as "held out"
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={mix}',
+                   f'--config.data.validation_paths=("{shard}",)', *TINY)
+  refused(proc, errors.EXIT_USAGE, 'data.validation_paths holds', 'also a training file')
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_the_same_mix_spelled_otherwise_resumes_and_the_fill_in_is_said(tmp_path, mix):
+  relative = os.path.relpath(mix, REPO)  # train_cli runs in REPO: `runs/x/corpus.txt` style
+  work = tmp_path / 'run'
+  first = train_cli(work, f'--config.data.mix_file={relative}', *TINY)
+  assert first.returncode == 0, first.stderr[-3000:]
+  said = [line for line in first.stdout.splitlines() if line.startswith('Filled in from')]
+  assert len(said) == 1 and 'data.eos_token_id=0' in said[0] and 'data.tokenizer=' in said[0]
+  assert 'corpus-validation' in said[0], said  # the held-out file, and where it came from
+  resumed = train_cli(work, f'--config.data.mix_file={mix}', *TINY, '--config.train.steps=4')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'data.mix_file' not in resumed.stderr
+
+
+def test_the_data_change_message_names_the_flag(tmp_path):
+  import data  # pylint: disable=import-outside-toplevel
+  ds = data.Dataset([str(REPO / 'data' / 'shakespeare-validation-00000.npy')], seq_len=64,
+                    vocab_size=8192, eos_token_id=0, pad_token_id=1)
+  state = {'fingerprint': 'other', 'seq_len': 64, 'files': [['x.npy', 4]]}
+  with pytest.raises(errors.DataError, match=r'pass --config.data.allow_data_change=True to '
+                     'resume anyway'):
+    data.check_same_data(state, ds)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_converted_one_level_too_deep_is_named(mix, tmp_path):
+  """convert.py --to=W/checkpoint, then train.py --workdir=W: the fresh start names where
+  the steps are and which --workdir they were written for, once."""
+  work = tmp_path / 'W'
+  deep = work / 'checkpoint' / 'checkpoints' / 'step_2'
+  deep.mkdir(parents=True)
+  (deep / 'COMMIT').touch()
+  run = train_cli(work, f'--config.data.mix_file={mix}', *TINY, '--config.train.steps=1')
+  assert run.returncode == 0, run.stderr[-2000:]
+  warnings = [l for l in run.stderr.splitlines() if f'{work}/checkpoint/checkpoints holds' in l]
+  assert len(warnings) == 1 and f'--workdir={work}/checkpoint' in warnings[0]

@@ -7,7 +7,10 @@ file modification times.
 """
 
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -151,6 +154,59 @@ def test_heartbeat_touches_the_launcher_file(tmp_path, monkeypatch):
   assert path.stat().st_mtime_ns > first - 10**9
   monkeypatch.setenv(health.HEARTBEAT_ENV, str(tmp_path / 'missing' / 'beat'))
   health.Heartbeat().beat()  # an unwritable path warns once and never stops training
+
+
+def test_heartbeat_pause_says_paused_and_leaving_it_is_a_beat(tmp_path, monkeypatch):
+  path = tmp_path / 'beat'
+  path.write_bytes(b'')
+  os.utime(path, (0, 0))  # as the launcher makes it: not touched yet
+  monkeypatch.setenv(health.HEARTBEAT_ENV, str(path))
+  beat = health.Heartbeat()
+  with beat.compiling('train step'):
+    assert path.read_bytes().startswith(health.PAUSED) and path.stat().st_mtime > 0
+    with beat.paused():  # nested: still paused, and after it too
+      pass
+    assert path.read_bytes().startswith(health.PAUSED)
+    beat.beat()  # a beat inside a pause keeps the pause
+    assert path.read_bytes().startswith(health.PAUSED)
+    os.utime(path, (0, 0))
+  assert path.read_bytes() == b'' and path.stat().st_mtime > 0  # left: a beat
+  os.utime(path, (0, 0))
+  with beat.compiling('train step'):  # compiled already: no pause, no touch
+    assert path.read_bytes() == b'' and path.stat().st_mtime == 0
+  with beat.compiling('evaluation'):  # another program's first run pauses
+    assert path.read_bytes().startswith(health.PAUSED)
+
+
+# A process as train.py runs it: absl's app.run (its log on stderr, or in a file), a SIGINT.
+CTRL_C = f'''
+import os, signal, sys
+sys.path.insert(0, {str(pathlib.Path(__file__).resolve().parents[1])!r})
+from absl import app, logging
+import health
+def main(argv):
+  if os.environ.get('LOG_DIR'):
+    logging.get_absl_handler().use_absl_log_file(log_dir=os.environ['LOG_DIR'])
+  preempt = health.Preemption()
+  os.kill(os.getpid(), signal.SIGINT)
+  assert preempt.requested
+  logging.flush()
+app.run(main)
+'''
+
+
+@pytest.mark.parametrize('flags, log_file', [([], False), (['--alsologtostderr'], True),
+                                             ([], True), (['--logtostderr'], False)])
+def test_ctrl_c_says_so_once(tmp_path, flags, log_file):
+  """Once on stderr whether absl logs there (its default) or to a file, and once in that."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', LOG_DIR=str(tmp_path) if log_file else '')
+  proc = subprocess.run([sys.executable, '-c', CTRL_C, *flags], capture_output=True,
+                        text=True, timeout=120, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stderr.count('stopping after the current step') == 1, proc.stderr
+  if log_file:
+    logs = ''.join(p.read_text() for p in tmp_path.iterdir() if '.INFO.' in p.name)
+    assert logs.count('stopping after the current step') == 1, logs
 
 
 def test_memorization_settings_are_a_config_error():

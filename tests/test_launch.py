@@ -31,6 +31,7 @@ import checkpoint  # noqa: E402
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
+import health  # noqa: E402
 import loss  # noqa: E402
 import optim  # noqa: E402
 import sharding  # noqa: E402
@@ -190,6 +191,35 @@ def test_stall_watchdog_waits_for_the_first_heartbeat(tmp_path):
   rc = launch.main(['--stall_timeout=0', '--backoff=0', '--', *fake_trainer(
       tmp_path, 'sys.exit(0 if "OLMO_HEARTBEAT_FILE" not in os.environ else 1)\n')])
   assert rc == 0  # 0 disables the watchdog: no heartbeat file at all
+
+
+def test_a_compiling_trainer_is_not_killed_but_one_stalled_after_its_first_beat_is(tmp_path):
+  # Each attempt "compiles" (health.Heartbeat.paused, as train.py around its first step)
+  # 4x longer than --stall_timeout; attempt 1 then stalls after its first beat and must be
+  # killed, attempt 2 compiles as long again and finishes.
+  body = (f'sys.path.insert(0, {str(REPO)!r})\n'
+          'import health\n'
+          'n_file = os.path.join(os.path.dirname(ckpt), "attempts")\n'
+          'n = int(open(n_file).read()) + 1 if os.path.exists(n_file) else 1\n'
+          'os.makedirs(os.path.dirname(ckpt), exist_ok=True)\n'
+          'open(n_file, "w").write(str(n))\n'
+          'heartbeat = health.Heartbeat()\n'
+          'with heartbeat.compiling("train step"):\n'
+          '  time.sleep(2)\n'
+          'with heartbeat.compiling("train step"):\n'  # compiled: no pause the second time
+          '  pass\n'
+          'heartbeat.beat()\n'
+          'if n == 2: sys.exit(0)\n'
+          'time.sleep(600)\n')
+  start = time.time()
+  rc = launch.main(['--stall_timeout=0.5', '--backoff=0', '--max_failures=3', '--',
+                    *fake_trainer(tmp_path, body)])
+  elapsed = time.time() - start
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert rc == 0, log
+  assert log.count('started pid') == 2 and log.count('no heartbeat from the trainer') == 1, log
+  assert 4 < elapsed < 60  # both compiles waited out in full, one stall of > 0.5 s
+  assert launch.PAUSED == health.PAUSED  # the launcher reads what the trainer writes
 
 
 def test_progress_resets_the_failure_count_and_success_stops(tmp_path):

@@ -595,6 +595,7 @@ def test_url_fetch_resumes_an_interrupted_download_and_converts_the_same(synthet
     server.close()
 
 
+@pytest.mark.slow
 def test_config_flag_stores_the_run_config_and_refuses_another_run(synthetic, tmp_path):
   cfg = synthetic['cfg']
   mine = repro_cfg(20, {'model.num_kv_heads': 2, 'model.num_layers': 2,

