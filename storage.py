@@ -42,13 +42,13 @@ services and emulators: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; GCS emulators:
 TENSORSTORE_GCS_HTTP_URL.
 """
 
+import concurrent.futures
 import functools
 import hashlib
 import json
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
 from typing import Any
@@ -62,7 +62,7 @@ READ_SCHEMES = ('http', 'https')  # read-only (token files)
 MISSING = b'\x02'  # tensorstore's generation of a key that does not exist (NoValue)
 _URL_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*):(//)?(.*)$')
 _SIZE_RE = re.compile(r'(?:total size|value of size) (\d+)')
-_lock = threading.Lock()
+_COPY_THREADS = 16  # rename_tree's parallel object copies (one chunk in memory each)
 
 
 def scheme(location: str) -> str:
@@ -489,9 +489,15 @@ def rename_tree(src: str, dst: str, last: tuple[str, ...] = (),
     os.rename(src, dst)
     return
   keys = list_keys(src)
-  ordered = [k for k in keys if k not in last] + [k for k in last if k in keys]
-  for k in ordered:
+
+  def copy(k: str) -> None:
     data = read(join(src, k))
     if data is not None:
       write(join(dst, k), data)
+  # The objects in parallel (the store's concurrency bound still applies), `last` after.
+  with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS) as pool:
+    list(pool.map(copy, [k for k in keys if k not in last]))
+  for k in last:
+    if k in keys:
+      copy(k)
   delete_tree(src, first=first_deleted)
