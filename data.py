@@ -267,8 +267,10 @@ def held_out_batches(cfg_data: Any, divisor: Any) -> list[dict[str, np.ndarray]]
   longest = max([f.num_tokens for f in token_files.inspect_files(paths, sample=False)], default=0)
   if longest < cfg_data.seq_len:
     logging.warning('No held-out set of seq_len=%d tokens (%s): validation loss is not '
-                    'measured. Set --config.data.validation_paths, or prepare the data with '
-                    'scripts/prepare_data.py, whose mix holds documents out.',
+                    'measured. prepare_data.py holds out every --validation_every-th document '
+                    '(100 by default; a text file is one document), so a corpus of fewer '
+                    'documents holds none out: rerun it with --validation_every=N (e.g. 10), '
+                    'or set --config.data.validation_paths.',
                     cfg_data.seq_len, paths or 'data.validation_paths is empty')
     return None
   ds = Dataset.from_config(cfg_data, paths=paths)

@@ -49,6 +49,7 @@ from absl import app, flags
 import checkpoint
 import data
 import errors
+import storage
 from evaluation import compare, deps, plots, scoring, suites
 from evaluation.scoring import Scorer, load_model, load_tokenizer
 from evaluation.tasks import TASKS
@@ -136,16 +137,19 @@ def default_output(source: str, step: int | None, suffix: str = '') -> str:
   --overwrite refuses other entries) and an HF directory may be a read-only
   cache. For train.py's WORKDIR/checkpoints that is WORKDIR/eval_results/.
   """
-  source = os.path.abspath(source)
-  parent, name = os.path.split(source)
+  source = storage.absolute(source)  # a bucket's checkpoint: its report goes to the bucket
+  parent, name = storage.parent(source), storage.basename(source)
   if name == 'checkpoints':  # train.py's layout: name the run, not its checkpoint folder
-    name = os.path.basename(parent)
-  return os.path.join(parent, RESULTS_DIR, name + (f'_step{step}' if step is not None else '')
+    name = storage.basename(parent)
+  return storage.join(parent, RESULTS_DIR, name + (f'_step{step}' if step is not None else '')
                       + suffix + '.json')
 
 
 def prepare_output(path: str, explicit: bool) -> str:
-  """`path`, after checking it can be written: a place that cannot is one line, before any work."""
+  """`path`, after checking it can be written: a place that cannot is one line, before any work.
+  A bucket is checked by the write itself."""
+  if storage.is_url(storage.check(path, '--output')):
+    return path
   folder = os.path.dirname(os.path.abspath(path))
   existing = folder
   while not os.path.exists(existing):  # created only when the results are written
@@ -157,9 +161,8 @@ def prepare_output(path: str, explicit: bool) -> str:
 
 
 def write_output(path: str, text: str) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, 'w') as f:
-    f.write(text)
+  storage.makedirs(storage.parent(path))
+  storage.write_atomic(path, text, fsync=False)
 
 
 def no_heldout_set(d) -> str:
@@ -183,8 +186,7 @@ def merge_earlier(report: dict, path: str) -> list[str]:
   keeps its own dtype, max_length and time. Returns the suites carried over.
   """
   try:
-    with open(path) as f:
-      earlier = json.load(f)
+    earlier = json.loads(storage.read_text(path) or 'null')
   except (OSError, ValueError):
     return []
   same = (isinstance(earlier, dict) and earlier.get('checkpoint') == report['checkpoint']

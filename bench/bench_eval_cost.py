@@ -114,7 +114,7 @@ def estimate_7b(devices: int, limit: int) -> None:
     nxt = unique[j + 1] if j + 1 < len(unique) else ()
     host[unique[j]] = host[nxt] if nxt[:len(unique[j])] == unique[j] else unique[j]
   hosts = sorted(set(host.values()))
-  rows = scoring._pack([len(h) for h in hosts], seq)  # pylint: disable=protected-access
+  rows = scoring.pack_rows([len(h) for h in hosts], seq)
   row_of = {hosts[k]: r for r, members in enumerate(rows) for k in members}
   queries = np.zeros(len(rows), np.int64)
   for e in entries:

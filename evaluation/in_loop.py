@@ -50,7 +50,7 @@ import errors
 import model
 import sharding
 from evaluation import olmo_eval_requests
-from evaluation.scoring import _pack
+from evaluation.scoring import pack_rows
 
 CHUNK = 128  # C: query slots per head step; bounds the [B, C, V] float32 logits block
 DEVICE_KEYS = ('tokens', 'segment_ids', 'positions', 'query_positions', 'query_tokens')
@@ -93,7 +93,7 @@ def plan(entries: list[olmo_eval_requests.Entry], mesh: Mesh, rows_per_batch_: i
     nxt = unique[j + 1] if j + 1 < len(unique) else ()
     host[s] = host[nxt] if nxt[:len(s)] == s else s
   hosts = sorted(set(host.values()))
-  rows = _pack([len(h) for h in hosts], row_len)
+  rows = pack_rows([len(h) for h in hosts], row_len)
   place = {}
   for r, members in enumerate(rows):
     offset = 0

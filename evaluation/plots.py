@@ -28,23 +28,20 @@ from matplotlib.figure import Figure
 
 import errors
 import events
+import metrics
+import storage
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 
 
 def read_curve(path: str, metric: str = 'train/CE loss') -> tuple[np.ndarray, np.ndarray]:
   """(steps, values) sorted by step, from JSONL, TensorBoard events, or a W&B CSV/TSV."""
-  if os.path.isdir(path) or os.path.basename(path).startswith('events.out.tfevents'):
+  if storage.isdir(path) or storage.basename(path).startswith('events.out.tfevents'):
     # tensorboardX's SummaryWriter writes spaces in tags as '_'.
     steps, values = events.read_scalars(path, {metric, metric.replace(' ', '_')})
-  elif path.endswith('.jsonl'):
-    steps, values = [], []
-    with open(path) as f:
-      for line in f:
-        record = json.loads(line) if line.strip() else {}
-        if metric in record and 'step' in record:
-          steps.append(record['step'])
-          values.append(record[metric])
+  elif path.endswith('.jsonl'):  # a file, or a bucket run's segments (metrics.read_records)
+    records = [r for r in metrics.read_records(path) if metric in r and 'step' in r]
+    steps, values = [r['step'] for r in records], [r[metric] for r in records]
   elif path.endswith(('.csv', '.tsv')):
     steps, values = _read_wandb(path, metric)
   else:

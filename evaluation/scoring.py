@@ -34,6 +34,7 @@ import checkpoint
 import errors
 import hf_ckpt
 import model
+import storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _QUERY_CHUNK = 256  # C: head rows per lax.map step; bounds the [C, V] logits block
@@ -66,16 +67,20 @@ def locate(path: str, step: int | None = None) -> tuple[str, int | None]:
   A step_N path stands for its checkpoint directory and step N. Raises
   ModelPathError naming what is there instead and the path to give.
   """
-  path = os.path.abspath(path)
-  m = re.fullmatch(r'step_(\d+)', os.path.basename(path))
-  if m and step is None and not os.path.exists(os.path.join(path, 'config.json')):
-    path, step = os.path.dirname(path), int(m.group(1))
-  if not os.path.isdir(path):
+  path = storage.absolute(storage.check(path, '--checkpoint'))
+  m = re.fullmatch(r'step_(\d+)', storage.basename(path))
+  if m and step is None and not storage.exists(storage.join(path, 'config.json')):
+    path, step = storage.parent(path), int(m.group(1))
+  if not storage.isdir(path):
     raise ModelPathError(
-        f'{path} {"is a file, not a directory" if os.path.exists(path) else "does not exist"}; '
+        f'{path} {"is a file, not a directory" if storage.exists(path) else "does not exist"}; '
         'give an HF model directory (config.json + *.safetensors) or a checkpoint directory '
         'of committed step_N/ (train.py writes WORKDIR/checkpoints).')
-  if os.path.exists(os.path.join(path, 'config.json')):
+  if storage.exists(storage.join(path, 'config.json')):
+    if storage.is_url(path):
+      raise ModelPathError(f'{path} is an HF directory in a bucket; HF models are read from a '
+                           'local path: copy it down (gcloud storage cp -r / aws s3 cp '
+                           '--recursive).')
     return path, step
   steps = checkpoint.committed_steps(path)
   if steps:
@@ -83,8 +88,8 @@ def locate(path: str, step: int | None = None) -> tuple[str, int | None]:
       raise ModelPathError(f'{path} has no committed step {step}; its committed steps are '
                            f'{_some(steps)}: pick one with --step, or drop --step for the latest.')
     return path, step
-  inner = os.path.join(path, 'checkpoints')
-  if os.path.isdir(inner) and checkpoint.committed_steps(inner):
+  inner = storage.join(path, 'checkpoints')
+  if checkpoint.committed_steps(inner):
     raise ModelPathError(f'{path} is a train.py workdir, not a checkpoint directory; its '
                          f'checkpoints are in {inner}: give that path.')
   raise ModelPathError(f'{path} is neither an HF model directory (config.json) nor a checkpoint '
@@ -234,7 +239,7 @@ def windows(context: Sequence[int], continuation: Sequence[int], max_length: int
 # --- Batched, packed scoring -------------------------------------------------------------
 
 
-def _pack(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
   """Indices per row: longest first into the row with most room (worst-fit decreasing)."""
   rows: list[list[int]] = []
   room: list[tuple[int, int]] = []  # (-free, row)
@@ -322,7 +327,7 @@ class Scorer:
       host[s] = host[nxt] if nxt[:len(s)] == s else s
     hosts = sorted(set(host.values()))
     row_len = max([self.row_len] + [-(-len(h) // 128) * 128 for h in hosts])
-    rows = _pack([len(h) for h in hosts], row_len)
+    rows = pack_rows([len(h) for h in hosts], row_len)
     place = {}
     for r, members in enumerate(rows):
       offset = 0

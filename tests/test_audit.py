@@ -395,3 +395,51 @@ def test_skipped_windows_push_the_run_into_the_next_epoch_sooner(files, tmp_path
   order = json.loads((tmp_path / 'r.json').read_text())['order']
   assert order['skips'] == [[3, 8], [40, 42]] and order['epochs'] == 2
   assert 'skips global batches [3, 8), [40, 42)' in run.stdout and 'PASS' in run.stdout
+
+
+def test_held_out_documents_with_exact_copies_in_training_are_reported(files, tmp_path):
+  """Two documents of the training file f0 copied into a held-out file (and one that is
+  not): the copies are counted across the split, and only there."""
+  toks = np.fromfile(files[0], '<u4')
+  ends = np.flatnonzero(toks == EOS) + 1
+  spans = [(a, b) for a, b in zip(ends[:-1], ends[1:]) if b - a >= 8]
+  copied = [toks[a:b] for a, b in spans[:2]]
+  rng = np.random.default_rng(9)
+  fresh = np.append(rng.integers(1, VOCAB, 20), EOS)  # held out and nowhere in training
+  val = tmp_path / 'validation.npy'
+  np.concatenate([copied[0], fresh, copied[1]]).astype('<u4').tofile(val)
+  report = audit.audit_content(_ds(files), min_doc_tokens=8, validation=_ds([str(val)]))
+  assert report['validation_documents_hashed'] == 3
+  assert report['validation_documents_in_training'] == 2
+  examples = report['validation_copy_examples']
+  assert {e['validation']['file'] for e in examples} == {str(val)}
+  assert sorted((e['training']['file'], e['training']['token_offset']) for e in examples) == [
+      (files[0], int(a)) for a, _ in spans[:2]]
+  clean = audit.audit_content(_ds(files), min_doc_tokens=8)
+  assert 'validation_documents_in_training' not in clean  # no held-out set, nothing said
+  for key in ('documents_repeated_across_entries', 'documents_repeated_within_an_entry'):
+    assert report[key] == clean[key]  # the held-out copies are not training repeats
+
+
+def test_cli_content_audit_of_a_prepared_mix_reports_held_out_copies(tmp_path):
+  """A prepare_data.py mix (every 5th document held out) whose held-out documents 4 and 9
+  repeat training documents word for word: `audit_data.py --content` names the count."""
+  import json as json_  # pylint: disable=import-outside-toplevel,reimport
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  prepare_data = load_script('prepare_data')
+  words = np.random.default_rng(4).choice(['thou', 'art', 'king', 'love', 'night', 'speak',
+                                            'shall', 'of', 'the', 'I'], (40, 60))
+  docs = [f'document {i}: ' + ' '.join(w) for i, w in enumerate(words)]
+  docs[4], docs[9] = docs[0], docs[30]  # held out (every 5th: 4, 9, ...), copies of training
+  (tmp_path / 'in.jsonl').write_text(''.join(json_.dumps({'text': d}) + '\n' for d in docs))
+  summary = prepare_data.prepare(
+      [str(tmp_path / 'in.jsonl')], Tokenizer.from_file(os.path.join(REPO, 'data',
+                                                                     'tokenizer.json')),
+      output_dir=str(tmp_path / 'tok'), prefix='c', validation_every=5, progress=False)
+  assert summary['validation_in_training'] == 2
+  run = _run('--config=configs/small.py', f'--config.data.mix_file={tmp_path}/tok/c.txt',
+             f'--config.data.seq_len={T}', '--config.data.global_batch_size=8',
+             '--config.train.micro_batch_size=8', '--steps=2', '--content', '--min_doc_tokens=8')
+  assert run.returncode == 0, run.stderr
+  assert ('held-out documents (>= 8 tokens) with an exact copy in training: 2 of 8'
+          in run.stdout), run.stdout

@@ -132,7 +132,7 @@ def test_prefix_sharing_and_packing():
   """Worst-fit packing never overfills a row and places every sequence exactly once."""
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, 40, size=200).tolist()
-  rows = scoring._pack(lengths, 64)
+  rows = scoring.pack_rows(lengths, 64)
   assert sorted(i for r in rows for i in r) == list(range(200))
   assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
   assert len(rows) <= math.ceil(sum(lengths) / 64) + 2
@@ -637,3 +637,38 @@ def test_convert_made_checkpoint_scores_like_its_hf_source(hf_dir, lm, tmp_path)
   got = scoring.Scorer(converted).loglikelihood_tokens(requests)
   want = scoring.Scorer(lm).loglikelihood_tokens(requests)
   np.testing.assert_allclose([s for s, _ in got], [s for s, _ in want], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_second_suite_is_added_to_the_steps_report_not_written_over_it(tmp_path):
+  """--suite=heldout, then --suite=paloma on the same step: one report holding both, each
+  suite with its own settings; running heldout again replaces only heldout."""
+  import jax
+  cfg = config_checks.complete(small.get_config())
+  m, d = cfg.model, cfg.data
+  m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_hidden = 64, 4, 4, 16, 128
+  m.sliding_window = 16
+  d.seq_len, d.global_batch_size, d.validation_batches = 64, 4, 1
+  params = model.init_params(m, jax.random.key(0))
+  ckpt_dir = tmp_path / 'run' / 'checkpoints'
+  with checkpoint.Checkpointer(str(ckpt_dir)) as ckpt:
+    ckpt.save(5, {'params': params, 'opt_state': optim.make_optimizer(cfg.opt).init(params)},
+              {'config': cfg.to_dict()})
+  report_path = tmp_path / 'run' / 'eval_results' / 'run_step5.json'
+  first = run_eval(f'--checkpoint={ckpt_dir}', '--suite=heldout')
+  assert first.returncode == 0, first.stderr[-3000:]
+  heldout = json.loads(report_path.read_text())['heldout']
+  second = run_eval(f'--checkpoint={ckpt_dir}', '--suite=paloma', '--dtype=bfloat16')
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert 'kept the earlier heldout results of this step' in second.stdout
+  report = json.loads(report_path.read_text())
+  assert report['heldout'] == heldout and 'paloma' in report
+  assert report['suites']['heldout']['dtype'] == 'float32'
+  assert report['suites']['paloma']['dtype'] == 'bfloat16' == report['dtype']
+  table = report_path.with_suffix('.txt').read_text()
+  assert 'held-out loss' in table and 'paloma domain' in table
+  third = run_eval(f'--checkpoint={ckpt_dir}', '--suite=heldout', '--heldout_batches=2')
+  assert third.returncode == 0, third.stderr[-3000:]
+  report = json.loads(report_path.read_text())
+  assert report['heldout']['batches'] == 2 and 'paloma' in report
+  assert report['suites']['paloma']['dtype'] == 'bfloat16'

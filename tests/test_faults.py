@@ -220,3 +220,211 @@ def test_a_checkpoint_converted_one_level_too_deep_is_named(mix, tmp_path):
   assert run.returncode == 0, run.stderr[-2000:]
   warnings = [l for l in run.stderr.splitlines() if f'{work}/checkpoint/checkpoints holds' in l]
   assert len(warnings) == 1 and f'--workdir={work}/checkpoint' in warnings[0]
+
+
+# --- Issue 33: prepare_data.py, plan.py, inspect_batch.py and eval.py mistakes, by the CLI --------
+
+EMBEDDED = str(REPO / 'data' / 'tokenizer.json')
+
+
+def script_cli(script: str, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+  """`python SCRIPT FLAGS...` in the repository, as a user types it."""
+  return subprocess.run([sys.executable, script, *flags], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, env=dict(os.environ, XLA_FLAGS=with_devices(1)))
+
+
+def _prepare_inputs(root: pathlib.Path) -> None:
+  """Good and bad inputs for prepare_data.py under `root`."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  root.mkdir()
+  good = ''.join(json.dumps({'text': f'document {i} says hello'}) + '\n' for i in range(5))
+  (root / 'good.jsonl').write_text(good)
+  (root / 'good.jsonl.gz').write_bytes(gzip.compress(good.encode()))
+  (root / 'nofield.jsonl').write_text('{"body": "the text is elsewhere"}\n')
+  np.arange(1, 50, dtype='<u4').tofile(root / 'tokens.npy')  # token ids, not text
+  (root / 'empty').mkdir()
+  (root / 'empty' / 'a.txt').write_text('')
+  (root / 'empty' / 'b.txt').write_text('\n\n')
+  (root / 'blank.jsonl').write_text('\n\n\n')
+  (root / 'afile').write_text('not a directory')
+
+
+@pytest.mark.parametrize('flags, code, named', [
+    (['--input={in}'], errors.EXIT_USAGE, ['is a directory', "--input='{in}/*.txt'"]),
+    (['--input={in}/good.jsonl', '--output_dir={in}/afile'], errors.EXIT_USAGE,
+     ['--output_dir=', 'is a file, not a directory']),
+    (['--input={in}/none*.jsonl'], errors.EXIT_DATA, ['matches no files']),
+    (['--input={in}/good.jsonl.gz'], errors.EXIT_DATA, ['gzip-compressed', 'gzip -dc']),
+    (['--input={in}/tokens.npy'], errors.EXIT_DATA, ['tokens.npy is binary']),
+    (['--input={in}/nofield.jsonl'], errors.EXIT_DATA, ["no string field 'text'", "['body']",
+                                                         '--text_field']),
+    (['--input={in}/good.jsonl', '--tokenizer={in}/none.json'], errors.EXIT_DATA,
+     ['none.json', 'does not exist']),
+    (['--input={in}/good.jsonl', '--vocab_size=100'], errors.EXIT_USAGE,
+     ['is >= vocab_size 100', 'raise --vocab_size to at least 8192']),
+    (['--input={in}/empty/*.txt'], errors.EXIT_DATA, ['holds no document']),
+    (['--input={in}/blank.jsonl'], errors.EXIT_DATA, ['holds no document']),
+    (['--input={in}/good.jsonl', '--validation_every=-3'], errors.EXIT_USAGE,
+     ['--validation_every=-3']),
+], ids=['input_dir', 'output_file', 'no_match', 'gzip', 'binary', 'no_field', 'no_tokenizer',
+        'vocab_small', 'empty_text', 'blank_jsonl', 'validation_every'])
+def test_prepare_data_mistakes_are_one_line_with_their_code_and_write_nothing(
+    tmp_path, flags, code, named):
+  _prepare_inputs(tmp_path / 'in')
+  argv = [f.format(**{'in': tmp_path / 'in'}) for f in flags]
+  if not any(f.startswith('--output_dir') for f in argv):
+    argv.append(f'--output_dir={tmp_path / "out"}')
+  if not any(f.startswith('--tokenizer') for f in argv):
+    argv.append(f'--tokenizer={EMBEDDED}')
+  proc = script_cli('scripts/prepare_data.py', *argv, '--workers=2')
+  refused(proc, code, *(n.format(**{'in': tmp_path / 'in'}) for n in named))
+  # On a line of its own: not after the progress bar's `\r...` line.
+  assert all(line.startswith('error: ') for line in proc.stderr.split('\n') if 'error: ' in line)
+  assert not (tmp_path / 'out').exists()
+  assert (tmp_path / 'in' / 'afile').read_text() == 'not a directory'
+
+
+def test_prepare_data_without_input_is_one_line_not_the_usage(tmp_path):
+  proc = script_cli('scripts/prepare_data.py', f'--output_dir={tmp_path / "out"}')
+  refused(proc, errors.EXIT_USAGE, '--input is required', "--input='corpus/*.jsonl'")
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert not (tmp_path / 'out').exists()
+
+
+def _snapshot(directory: pathlib.Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() if p.is_file() else b'<dir>' for p in directory.iterdir()}
+
+
+def test_prepare_data_interrupted_is_one_line_and_leaves_the_earlier_mix(tmp_path):
+  """Ctrl-C while the workers tokenize: one line, errors.py's stop code (3, as train.py's),
+  no traceback, and the earlier run's mix and files exactly as they were (no staging left)."""
+  import select  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'small.jsonl').write_text(
+      ''.join(json.dumps({'text': f'earlier document {i}'}) + '\n' for i in range(30)))
+  out = tmp_path / 'out'
+  first = script_cli('scripts/prepare_data.py', f'--input={tmp_path}/in/small.jsonl',
+                     f'--output_dir={out}', f'--tokenizer={EMBEDDED}', '--workers=1')
+  assert first.returncode == 0, first.stderr
+  before = _snapshot(out)
+  line = json.dumps({'text': 'thou art the king and I shall speak of love at night ' * 3}) + '\n'
+  (tmp_path / 'in' / 'big.jsonl').write_text(line * ((24 << 20) // len(line)))  # ~24 MB
+  proc = subprocess.Popen(
+      [sys.executable, 'scripts/prepare_data.py', f'--input={tmp_path}/in/big.jsonl',
+       f'--output_dir={out}', f'--tokenizer={EMBEDDED}', '--workers=2', '--chunk_mb=0.5'],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  seen, deadline = b'', time.time() + 120
+  while b'tokenizing' not in seen and time.time() < deadline and proc.poll() is None:
+    if select.select([proc.stderr], [], [], 1.0)[0]:
+      seen += os.read(proc.stderr.fileno(), 4096)
+  assert b'tokenizing' in seen, seen  # the bar: the workers are at it
+  proc.send_signal(signal.SIGINT)
+  stdout, stderr = proc.communicate(timeout=120)
+  done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.decode(),
+                                     (seen + stderr).decode())
+  refused(done, errors.EXIT_PREEMPTED, 'interrupted', 'nothing was written',
+          'rerun the same command')
+  assert _snapshot(out) == before  # the earlier mix, its files; no staging folder
+
+
+def test_plan_and_inspect_batch_without_config_are_one_line():
+  for script, named in (('plan.py', 'training config to plan'),
+                        ('scripts/inspect_batch.py', "the run's training config")):
+    proc = script_cli(script, *(['--step=3'] if 'inspect' in script else []))
+    refused(proc, errors.EXIT_USAGE, '--config is required', named)
+
+
+@pytest.mark.slow
+def test_a_mix_file_that_is_a_folder_is_one_line_in_plan_and_audit(tmp_path):
+  for script in ('plan.py', 'scripts/audit_data.py'):
+    proc = script_cli(script, '--config=configs/small.py',
+                      f'--config.data.mix_file={tmp_path}')
+    refused(proc, errors.EXIT_DATA, f"mix file '{tmp_path}' is a folder")
+
+
+@pytest.mark.slow
+def test_a_token_file_given_as_the_mix_is_one_line(tmp_path, mix):
+  # token_files.read_mix (another owner) refuses a binary mix; this drives it through train.py.
+  shard = mix.parent / 'corpus-00000.npy'
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={shard}', *TINY)
+  refused(proc, errors.EXIT_DATA, 'corpus-00000.npy', 'is binary',
+          '--config.data.paths=')
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_a_micro_batch_that_does_not_divide_is_a_config_mistake(tmp_path, mix):
+  proc = train_cli(tmp_path / 'run', f'--config.data.mix_file={mix}', *TINY,
+                   '--config.train.micro_batch_size=3')
+  refused(proc, errors.EXIT_USAGE, 'micro_batch_size 3', 'data.global_batch_size=8',
+          '--config.train.micro_batch_size to one of [1, 2, 4, 8]')
+  assert not (tmp_path / 'run').exists()
+
+
+def _checkpoint(workdir: pathlib.Path, mix_file: pathlib.Path) -> pathlib.Path:
+  """A committed step 3 of a tiny model trained (nominally) on `mix_file`, as train.py saves."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import checkpoint  # pylint: disable=import-outside-toplevel
+  import config_checks  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  import optim  # pylint: disable=import-outside-toplevel
+  from configs import small  # pylint: disable=import-outside-toplevel
+  cfg = small.get_config()
+  cfg.data.mix_file = str(mix_file)
+  cfg = config_checks.complete(cfg)
+  m = cfg.model
+  m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_hidden = 64, 4, 4, 16, 128
+  m.sliding_window, cfg.data.seq_len = 16, 64
+  params = model.init_params(m, jax.random.key(0))
+  with checkpoint.Checkpointer(str(workdir / 'checkpoints')) as ckpt:
+    ckpt.save(3, {'params': params, 'opt_state': optim.make_optimizer(cfg.opt).init(params)},
+              {'config': cfg.to_dict()})
+  return workdir / 'checkpoints'
+
+
+@pytest.mark.slow
+def test_heldout_eval_of_a_run_without_a_held_out_set_says_why_and_how(tmp_path):
+  """17 plain-text documents, every 100th held out: none. eval.py says so (not 'HF models
+  have no data config'), names the mix and both fixes, and writes nothing."""
+  (tmp_path / 'in').mkdir()
+  for i in range(17):
+    (tmp_path / 'in' / f'd{i}.txt').write_text(f'document {i}: ' + 'words and words ' * 20)
+  tokenizer = Tokenizer.from_file(EMBEDDED)
+  files = prepare_data.list_inputs([str(tmp_path / 'in' / '*.txt')], [])
+  prepare_data.prepare(files, tokenizer, output_dir=str(tmp_path / 'tokens'), prefix='corpus',
+                       validation_every=100, progress=False)
+  ckpt = _checkpoint(tmp_path / 'run', tmp_path / 'tokens' / 'corpus.txt')
+  proc = script_cli('eval.py', f'--checkpoint={ckpt}', '--suite=heldout')
+  line = refused(proc, errors.EXIT_USAGE, 'this run has no held-out set',
+                 str(tmp_path / 'tokens' / 'corpus.txt'), '--validation_every=N',
+                 '--heldout_paths=', '--config.data.validation_paths')
+  assert 'HF models' not in line
+  assert not (tmp_path / 'run' / 'eval_results').exists()
+
+
+def test_inspect_batch_shows_the_documents_of_a_packed_instance(tmp_path):
+  """packed.PackedDataset.instance_documents (public now) is what inspect_batch reports: each
+  instance's tokens are its listed documents' tokens, in order, then padding."""
+  import config_checks  # pylint: disable=import-outside-toplevel
+  from configs import small  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  docs = [np.append(rng.integers(2, 500, n), 0) for n in rng.integers(3, 40, 60)]
+  path = tmp_path / 'docs.npy'
+  np.concatenate(docs).astype('<u4').tofile(path)
+  cfg = small.get_config()
+  cfg.data.update(mix_file='', paths=(str(path),), dataset='packed', vocab_size=512,
+                  eos_token_id=0, pad_token_id=1, seq_len=32, global_batch_size=8,
+                  document_masking=True, source_group_size=1, long_doc_strategy='truncate')
+  config_checks.complete(cfg)
+  inspect = load_script('inspect_batch')
+  report = inspect.describe(cfg, step=1, workdir=str(tmp_path / 'w'))
+  tokens = np.fromfile(path, '<u4')
+  for row in report['instances']:
+    assert row['sources'], row
+    read = np.concatenate([tokens[s['token_offset']:s['token_offset'] + s['length']]
+                           for s in row['sources']])
+    assert all(s['file'] == str(path) for s in row['sources'])
+    assert row['tokens'][:read.size] == read.tolist()
+    assert set(row['tokens'][read.size:]) <= {1}  # padding

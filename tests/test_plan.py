@@ -14,6 +14,7 @@ import jax
 import pytest
 
 import config_checks
+import errors
 import model
 import optim
 import plan
@@ -184,3 +185,37 @@ def test_step_lowered_for_a_tpu_contains_the_pallas_kernels(chip):
   assert kernels == ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
   with pytest.raises(ValueError, match='--chip'):
     plan.tpu_kernels_in_step(cfg, 'v2', {'data': 1, 'fsdp': 8, 'tensor': 1})
+
+
+def test_defaults_fit_the_config_devices_and_platform():
+  """Without --devices/--platform: the most devices (up to 8) the batch and micro-batch split
+  over, and the TPU unless its flash kernel cannot take the model (head_dim % 128)."""
+  from configs import long_context_small, olmo3_7b  # pylint: disable=import-outside-toplevel
+  assert plan.default_devices(small.get_config()) == 1  # 8 instances, micro-batch 8
+  assert plan.default_devices(olmo3_7b.get_config()) == 8
+  assert plan.default_devices(long_context_small.get_config()) == 4  # context 4, micro-batch 4
+  cfg = small.get_config()
+  cfg.train.micro_batch_size = 3  # divides no per-device count of a batch of 8
+  with pytest.raises(errors.ConfigError, match='--devices=N'):
+    plan.default_devices(cfg)
+  platform, why = plan.default_platform(small.get_config())
+  assert platform == 'cpu' and 'head_dim a multiple of 128, not 64' in why
+  assert plan.default_platform(olmo3_7b.get_config())[0] == 'tpu'
+  xla = small.get_config()
+  xla.model.attention_impl = 'xla'  # no flash kernel asked for: the TPU runs it
+  assert plan.default_platform(xla)[0] == 'tpu'
+
+
+def test_plan_of_the_small_config_works_as_written():
+  """`python plan.py --config=configs/small.py`, the README's line, with nothing else."""
+  proc = subprocess.run([sys.executable, 'plan.py', '--config=configs/small.py'], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'planning for 1 devices' in proc.stdout and 'platform cpu' in proc.stdout
+  assert 'compiled    1 devices' in proc.stdout and 'cpu: xla' in proc.stdout
+  bare = subprocess.run([sys.executable, 'plan.py'], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert bare.returncode == errors.EXIT_USAGE
+  assert bare.stderr.strip().splitlines() == [
+      'error: --config is required: the training config to plan, e.g. '
+      '--config=configs/olmo3_7b.py (with any --config.* overrides).']

@@ -316,3 +316,67 @@ def test_the_mix_describes_its_tokenizer_and_holds_out_every_nth_document(tmp_pa
     assert not set(paths) & {p for p, _ in header['validation']}  # never trained on
     saved = Tokenizer.from_file(str(out / 'c.tokenizer.json'))
     assert saved.encode(docs[3]).ids == tok.encode(docs[3]).ids
+
+
+def _cli(*flags):
+  return subprocess.run([sys.executable, SCRIPT, f'--tokenizer={EMBEDDED}', '--workers=1',
+                         *flags], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_a_rerun_into_its_input_folder_never_reads_its_own_outputs(tmp_path):
+  """--input='DIR/*.txt' --output_dir=DIR: the mix (a .txt) is not a document on the rerun;
+  nor, with DIR/*, are the token files and tokenizer; nor another prefix's."""
+  for i in range(17):
+    (tmp_path / f'd{i:02d}.txt').write_text(f'document {i} says something of its own.')
+  runs = [_cli(f'--input={tmp_path}/*.txt', f'--output_dir={tmp_path}', '--prefix=corpus'),
+          _cli(f'--input={tmp_path}/*.txt', f'--output_dir={tmp_path}', '--prefix=corpus'),
+          _cli(f'--input={tmp_path}/*', f'--output_dir={tmp_path}', '--prefix=corpus'),
+          _cli(f'--input={tmp_path}/*', f'--output_dir={tmp_path}', '--prefix=other')]
+  for run in runs:
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith('17 documents, '), run.stdout
+  assert 'left out 1 --input file(s)' in runs[1].stderr
+  assert 'left out 3 --input file(s)' in runs[2].stderr  # mix, token file, tokenizer
+  assert 'left out 3 --input file(s)' in runs[3].stderr  # corpus's, by its mix
+  tok = Tokenizer.from_file(EMBEDDED)
+  docs = [(tmp_path / f'd{i:02d}.txt').read_text() for i in range(17)]
+  expected = _expected(tok, docs, eos=0).tobytes()
+  assert (tmp_path / 'corpus-00000.npy').read_bytes() == expected
+  assert (tmp_path / 'other-00000.npy').read_bytes() == expected
+  assert 'a text file is one document' in runs[0].stdout  # why nothing is held out
+
+
+def test_held_out_copies_of_training_documents_are_counted_with_an_example(tmp_path):
+  tok = Tokenizer.from_file(EMBEDDED)
+  docs = [f'document {i} of the corpus' for i in range(50)]
+  docs[19], docs[29] = docs[3], docs[45]  # held out (every 10th), copies before and after
+  (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+  for workers in (1, 2):
+    summary = prepare_data.prepare([str(tmp_path / 'in.jsonl')], tok,
+                                   output_dir=str(tmp_path / f'w{workers}'), prefix='c',
+                                   workers=workers, chunk_bytes=100, validation_every=10,
+                                   progress=False)
+    assert summary['validation_documents'] == 5 and summary['validation_in_training'] == 2
+    assert summary['validation_copy_example'] == f'{tmp_path / "in.jsonl"}:20'
+  run = _cli(f'--input={tmp_path}/in.jsonl', f'--output_dir={tmp_path}/cli',
+             '--validation_every=10')
+  assert run.returncode == 0, run.stderr
+  warning = [l for l in run.stderr.splitlines() if l.startswith('warning: ')]
+  assert len(warning) == 1 and '2 of the 5 held-out documents' in warning[0]
+  assert f'{tmp_path / "in.jsonl"}:20' in warning[0]
+  clean = prepare_data.prepare([str(tmp_path / 'in.jsonl')], tok, output_dir=str(tmp_path / 'n'),
+                               prefix='c', validation_every=7, progress=False)
+  assert clean['validation_in_training'] == 0
+
+
+def test_input_without_a_document_is_refused_and_writes_nothing(tmp_path):
+  tok = Tokenizer.from_file(EMBEDDED)
+  (tmp_path / 'a.txt').write_text('')
+  (tmp_path / 'b.txt').write_text(' \n\n')
+  (tmp_path / 'c.jsonl').write_text('\n\n')
+  out = tmp_path / 'out'
+  for files in (['a.txt', 'b.txt'], ['c.jsonl']):
+    with pytest.raises(errors.DataError, match='holds no document'):
+      prepare_data.prepare([str(tmp_path / f) for f in files], tok, output_dir=str(out),
+                           prefix='t', progress=False)
+    assert not out.exists()
