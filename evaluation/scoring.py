@@ -181,7 +181,7 @@ def load_tokenizer(path: str | None, lm: LoadedModel) -> Tokenizer:
   if not path:
     raise FileNotFoundError(f'No tokenizer found for {lm.source}; pass --tokenizer=PATH to its '
                             'tokenizer.json (the 7B uses dolma2, allenai_dolma2.json).')
-  tok = Tokenizer.from_file(path)
+  tok = Tokenizer.from_file(storage.local_file(path))
   if tok.get_vocab_size() > lm.vocab_size:
     raise ValueError(f'Tokenizer {path} has {tok.get_vocab_size()} tokens but the model only '
                      f'{lm.vocab_size}; it belongs to another model.')

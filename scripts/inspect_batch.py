@@ -96,6 +96,10 @@ def _source(ds, instance: int, T: int) -> dict:
 
 
 def _decoder(path: str):
+  try:  # a mix in a bucket names its tokenizer there: fetched once to the local cache
+    path = path and storage.local_file(path)
+  except OSError:
+    return None
   if not path or not os.path.exists(path):
     return None
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel

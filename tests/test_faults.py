@@ -428,3 +428,18 @@ def test_inspect_batch_shows_the_documents_of_a_packed_instance(tmp_path):
     assert all(s['file'] == str(path) for s in row['sources'])
     assert row['tokens'][:read.size] == read.tolist()
     assert set(row['tokens'][read.size:]) <= {1}  # padding
+
+
+def test_the_missing_held_out_set_warning_names_the_cause_and_the_fix(caplog):
+  """train.py's warning when the mix held nothing out: not 'run prepare_data' (just done), but
+  why (every 100th document, too few documents) and both fixes."""
+  import logging  # pylint: disable=import-outside-toplevel
+  import config_checks  # pylint: disable=import-outside-toplevel
+  import data  # pylint: disable=import-outside-toplevel
+  from configs import small  # pylint: disable=import-outside-toplevel
+  cfg = config_checks.complete(small.get_config())
+  cfg.data.validation_paths = ()
+  with caplog.at_level(logging.WARNING):
+    assert data.held_out_batches(cfg.data, lambda size: 1) is None
+  assert 'every --validation_every-th document' in caplog.text
+  assert '--validation_every=N' in caplog.text and '--config.data.validation_paths' in caplog.text

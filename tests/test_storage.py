@@ -300,3 +300,17 @@ def test_a_stalled_server_is_abandoned_not_waited_on(s3_server):
   assert result.startswith('failed:')
   assert seconds < 60  # the stall lasts 120 s: only aborting it ends the save sooner
   assert step_dirs.committed_steps(directory) == []
+
+
+def test_local_file_fetches_a_url_once(s3_server, tmp_path, monkeypatch):
+  """Libraries that open only local files (tokenizers) get a cached copy of a bucket file."""
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  url = f's3://{s3_server[1]}/mix/tokenizer.json'
+  storage.write(url, b'{"tokenizer": 1}')
+  path = storage.local_file(url)
+  assert path.startswith(str(tmp_path / 'cache')) and open(path, 'rb').read() == b'{"tokenizer": 1}'
+  storage.delete(url)  # the copy stands in for it from now on
+  assert storage.local_file(url) == path
+  with pytest.raises(FileNotFoundError):
+    storage.local_file(f's3://{s3_server[1]}/mix/missing.json')
+  assert storage.local_file('data/tokenizer.json') == 'data/tokenizer.json'
