@@ -76,6 +76,7 @@ import queue
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Iterator, NamedTuple
 
@@ -422,6 +423,9 @@ def held_out_copies(train_hashes: str, val_hashes: np.ndarray) -> np.ndarray:
 @contextlib.contextmanager
 def _signals_deferred():
   """SIGINT/SIGTERM wait until the block is done: the final swap is never cut halfway."""
+  if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+    yield
+    return
   caught = []
   previous = {sig: signal.signal(sig, lambda signum, _: caught.append(signum))
               for sig in (signal.SIGINT, signal.SIGTERM)}
