@@ -197,7 +197,8 @@ def stage2_overrides(steps: int, mix_file: str, base_dir: str) -> dict:
   out = {k: new for k, (_, new) in changes.items()
          if k not in STAGE2_RECIPE and not k.startswith(('data.paths', 'data.validation_paths'))
          and not isinstance(new, (list, dict))}
-  return {**out, 'data.mix_file': mix_file, 'data.base_dir': base_dir}
+  # The stage-2 config's in-loop tasks need 8,192-token sequences; the miniature has 64.
+  return {**out, 'data.mix_file': mix_file, 'data.base_dir': base_dir, 'train.eval_tasks': ()}
 
 
 def stage2_cfg(overrides: dict):
