@@ -108,14 +108,9 @@ def estimate_7b(devices: int, limit: int) -> None:
     per_task[label] = len(task.entries)
   # in_loop.plan's packing: an input that is a prefix of another rides on it; the rest are
   # packed worst-fit into rows of seq tokens; each row has K query slots (CHUNK multiples).
-  unique = sorted({e.query for e in entries})
-  host = {}
-  for j in range(len(unique) - 1, -1, -1):
-    nxt = unique[j + 1] if j + 1 < len(unique) else ()
-    host[unique[j]] = host[nxt] if nxt[:len(unique[j])] == unique[j] else unique[j]
-  hosts = sorted(set(host.values()))
-  rows = scoring.pack_rows([len(h) for h in hosts], seq)
-  row_of = {hosts[k]: r for r, members in enumerate(rows) for k in members}
+  host, hosts = scoring.prefix_hosts([e.query for e in entries])
+  rows, place = scoring.place_rows(hosts, seq)
+  row_of = {h: r for h, (r, _) in place.items()}
   queries = np.zeros(len(rows), np.int64)
   for e in entries:
     queries[row_of[host[e.query]]] += len(e.targets)

@@ -50,7 +50,7 @@ import errors
 import model
 import sharding
 from evaluation import olmo_eval_requests
-from evaluation.scoring import pack_rows
+from evaluation.scoring import place_rows, prefix_hosts
 
 CHUNK = 128  # C: query slots per head step; bounds the [B, C, V] float32 logits block
 DEVICE_KEYS = ('tokens', 'segment_ids', 'positions', 'query_positions', 'query_tokens')
@@ -84,22 +84,9 @@ def rows_per_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> int:
 def plan(entries: list[olmo_eval_requests.Entry], mesh: Mesh, rows_per_batch_: int,
          row_len: int) -> Plan:
   """Packs every entry's input into rows and lays them out for this process."""
-  # An input that is a prefix of another is served by it (sorted: a prefix comes right
-  # before the next input that extends it, and so on to the longest).
-  unique = sorted({e.query for e in entries})
-  host: dict[tuple, tuple] = {}
-  for j in range(len(unique) - 1, -1, -1):
-    s = unique[j]
-    nxt = unique[j + 1] if j + 1 < len(unique) else ()
-    host[s] = host[nxt] if nxt[:len(s)] == s else s
-  hosts = sorted(set(host.values()))
-  rows = pack_rows([len(h) for h in hosts], row_len)
-  place = {}
-  for r, members in enumerate(rows):
-    offset = 0
-    for k in members:
-      place[hosts[k]] = (r, offset)
-      offset += len(hosts[k])
+  # An input that is a prefix of another is served by it (scoring.prefix_hosts).
+  host, hosts = prefix_hosts([e.query for e in entries])
+  rows, place = place_rows(hosts, row_len)
   queries: list[list[tuple[int, int, int]]] = [[] for _ in rows]  # (position, token, entry)
   for i, e in enumerate(entries):
     r, offset = place[host[e.query]]

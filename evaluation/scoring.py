@@ -239,6 +239,32 @@ def windows(context: Sequence[int], continuation: Sequence[int], max_length: int
 # --- Batched, packed scoring -------------------------------------------------------------
 
 
+def prefix_hosts(inputs) -> tuple[dict[tuple, tuple], list[tuple]]:
+  """({input: the input it rides on}, the hosts, sorted): an input that is a prefix of
+  another is scored inside it (sorted, a prefix comes right before its extensions, so
+  walking back each takes the host of the next when it extends it)."""
+  unique = sorted(set(inputs))
+  host: dict[tuple, tuple] = {}
+  for j in range(len(unique) - 1, -1, -1):
+    s = unique[j]
+    nxt = unique[j + 1] if j + 1 < len(unique) else ()
+    host[s] = host[nxt] if nxt[:len(s)] == s else s
+  return host, sorted(set(host.values()))
+
+
+def place_rows(hosts: list[tuple], row_len: int
+               ) -> tuple[list[list[int]], dict[tuple, tuple[int, int]]]:
+  """(rows of host indices, {host: (row, offset)}): the hosts packed into rows of row_len."""
+  rows = pack_rows([len(h) for h in hosts], row_len)
+  place = {}
+  for r, members in enumerate(rows):
+    offset = 0
+    for k in members:
+      place[hosts[k]] = (r, offset)
+      offset += len(hosts[k])
+  return rows, place
+
+
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
   """Indices per row: longest first into the row with most room (worst-fit decreasing)."""
   rows: list[list[int]] = []
@@ -319,21 +345,9 @@ class Scorer:
         owner.append(i)
     owner = np.asarray(owner, np.int64)
 
-    unique = sorted(set(inputs))
-    host: dict[tuple, tuple] = {}
-    for j in range(len(unique) - 1, -1, -1):  # sorted: a prefix comes right before its extensions
-      s = unique[j]
-      nxt = unique[j + 1] if j + 1 < len(unique) else ()
-      host[s] = host[nxt] if nxt[:len(s)] == s else s
-    hosts = sorted(set(host.values()))
+    host, hosts = prefix_hosts(inputs)
     row_len = max([self.row_len] + [-(-len(h) // 128) * 128 for h in hosts])
-    rows = pack_rows([len(h) for h in hosts], row_len)
-    place = {}
-    for r, members in enumerate(rows):
-      offset = 0
-      for k in members:
-        place[hosts[k]] = (r, offset)
-        offset += len(hosts[k])
+    rows, place = place_rows(hosts, row_len)
 
     b = max(1, self.batch_tokens // row_len)
     queries = [[] for _ in range(-(-len(rows) // b))]  # per batch: (request, row, pos, token)
