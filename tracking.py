@@ -30,7 +30,6 @@ Comet is not wired in; docs/monitoring.md says how to add it beside W&B.
 import importlib.util
 import os
 import queue
-import sys
 import threading
 import time
 from typing import Any
@@ -40,6 +39,7 @@ from absl import logging
 import jax
 import ml_collections
 
+import health
 import metrics
 import storage
 
@@ -160,9 +160,7 @@ class Tracker:
       if self._warned:
         return
       self._warned = True
-    message = ' '.join(message.split())  # one line
-    logging.warning('%s. Training goes on.', message)
-    print(f'WARNING: {message}. Training goes on.', file=sys.stderr, flush=True)
+    health.warn(f"WARNING: {' '.join(message.split())}. Training goes on.")  # once, one line
 
   def _fail(self, why: str) -> None:
     self.failed = self.failed or why
