@@ -395,6 +395,17 @@ def parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
+def parser_requiring_config(example: str):
+  """parse_flags for an entry point with no default config (plan.py, inspect_batch.py): a
+  missing --config is one line (exit 2) naming `example`, not absl's two lines."""
+  def parse(argv: list[str]) -> list[str]:
+    named = {arg.lstrip('-').split('=', 1)[0] for arg in argv[1:]}
+    if 'config' not in named and not named & {'help', 'helpshort', 'helpfull', 'h', '?'}:
+      errors.report(f'--config is required: {example}.', errors.EXIT_USAGE)
+    return parse_flags(argv)
+  return parse
+
+
 def _config_args(argv: list[str], default_config: str | None) -> tuple[str | None, list[str]]:
   """The --config file and the --config.* override paths, as argv spells them."""
   path, overrides = default_config, []

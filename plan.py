@@ -349,14 +349,6 @@ def main(argv: list[str]) -> None:
            devices=jax.devices()[:devices])
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """config_checks.parse_flags, with a missing --config in one line (exit 2), not absl's two."""
-  named = {arg.lstrip('-').split('=', 1)[0] for arg in argv[1:]}
-  if 'config' not in named and not named & {'help', 'helpshort', 'helpfull', 'h', '?'}:
-    errors.report('--config is required: the training config to plan, e.g. '
-                  '--config=configs/olmo3_7b.py (with any --config.* overrides).',
-                  errors.EXIT_USAGE)
-  return config_checks.parse_flags(argv)
 
 
 if __name__ == '__main__':
@@ -372,4 +364,6 @@ if __name__ == '__main__':
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
   FLAGS = flags.FLAGS
-  app.run(main, flags_parser=parse_flags)  # config mistakes in one line
+  app.run(main, flags_parser=config_checks.parser_requiring_config(  # mistakes in one line
+      'the training config to plan, e.g. --config=configs/olmo3_7b.py (with any '
+      '--config.* overrides)'))

@@ -147,14 +147,6 @@ def print_report(report: dict) -> None:
 FLAGS = flags.FLAGS
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """config_checks.parse_flags (config mistakes in one line), and --config required."""
-  named = {arg.lstrip('-').split('=', 1)[0] for arg in argv[1:]}
-  if 'config' not in named and not named & {'help', 'helpshort', 'helpfull', 'h', '?'}:
-    errors.report('--config is required: the run\'s training config, as train.py was given it '
-                  '(e.g. --config=configs/small.py with the same --config.* overrides).',
-                  errors.EXIT_USAGE)
-  return config_checks.parse_flags(argv)
 
 
 def main(argv):
@@ -183,4 +175,6 @@ if __name__ == '__main__':
   flags.DEFINE_integer('checkpoint_step', None, 'Its step (default: the latest).')
   flags.DEFINE_integer('preview_tokens', 48, 'Tokens decoded per instance.')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of text.')
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=config_checks.parser_requiring_config(
+      "the run's training config, as train.py was given it (e.g. --config=configs/small.py "
+      'with the same --config.* overrides)'))
