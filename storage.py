@@ -136,7 +136,8 @@ def local_cache_dir(location: str, name: str) -> str:
     return os.path.join(location, name)
   root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
   tag = re.sub(r'[^A-Za-z0-9_.-]+', '_', location.rstrip('/'))[-80:]
-  return os.path.join(root, 'olmo3_jax', f'{tag}.{hashlib.sha256(location.encode()).hexdigest()[:8]}', name)
+  digest = hashlib.sha256(location.encode()).hexdigest()[:8]
+  return os.path.join(root, 'olmo3_jax', f'{tag}.{digest}', name)
 
 
 def local_file(location: str) -> str:
