@@ -9,6 +9,8 @@ One directory per step:
     arrays/<path>/  one zarr3 array per leaf; <path> is its key path joined by
                     '/' (with use_ocdbt: one OCDBT database in ocdbt/ instead)
     COMMIT          written last; a step directory without it is incomplete
+    HEALTH          the step's health verdict, when it was saved pending one
+                    (healthy=None) and the next step judged it (judge())
 
 On a filesystem a save writes into <directory>/tmp.step_<N>.<nonce>/; process 0
 then renames it to step_<N> and writes COMMIT. In a gs:// or s3:// bucket (no
@@ -108,9 +110,9 @@ class Checkpointer:
   An error in the background save is raised as CheckpointSaveError by the
   next poll(), save(), wait() or close(). Retention, run by process 0 right
   after each commit: the newest `keep_last` committed steps, every step
-  divisible by `keep_every` (0: none), and the newest step saved with
-  healthy=True are kept; so saves made while the run is diverging can never
-  evict its last healthy state. Creating a Checkpointer tidies what crashed
+  divisible by `keep_every` (0: none), and the newest healthy step (saved
+  healthy=True, or judged so: judge()) are kept; so saves made while the run
+  is diverging can never evict its last healthy state. Creating a Checkpointer tidies what crashed
   saves left (step_dirs.tidy). Use one Checkpointer per directory at a time (see
   WorkdirLock). fsync=False skips fsync (tests, scratch runs): a power cut may
   then leave a committed step with lost data, which restore's checksums still
@@ -134,7 +136,9 @@ class Checkpointer:
                        'default zarr3 files for multi-process runs.')
     storage.makedirs(self.directory)
     self._thread: threading.Thread | None = None
+    self._verdicts: dict[int, tuple[bool, int]] = {}  # judge()'s, until no save is in flight
     self._error: tuple[int, BaseException] | None = None
+    self._not_removed: str = ''  # why a failed save's temporary directory is still there
     self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
     self._tidy()  # before the caller lists committed steps
 
@@ -156,22 +160,25 @@ class Checkpointer:
     return json.loads(self._sync.broadcast(key, json.dumps(steps)))
 
   def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None, *,
-           healthy: bool = True) -> None:
+           healthy: bool | None = True) -> None:
     """Snapshots `state` to host now and writes it in the background.
 
     `metadata` (JSON-serializable: config, data state, RNG, ...) is stored with
     'step' added. `healthy` says whether the run was healthy at this step (the
     caller's judgement, e.g. no loss spike or NaN); it is recorded in
     metadata.json, and retention keeps the newest healthy step until a newer
-    healthy one is committed. Saving an already committed step is skipped with
-    a warning (e.g. a preemption save right after a resume).
+    healthy one is committed. None: the verdict is not known yet (train.py judges
+    a state by the loss of the next step, the first computed from its params),
+    and judge() records it; until then the step does not count as healthy.
+    Saving an already committed step is skipped with a warning (e.g. a
+    preemption save right after a resume).
     """
     self.wait()
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f'step={step!r}: must be an integer >= 0.')
-    if not isinstance(healthy, (bool, np.bool_)):
+    if healthy is not None and not isinstance(healthy, (bool, np.bool_)):
       raise TypeError(f'healthy={healthy!r}: must be a bool (was the run healthy '
-                      'when this state was reached?).')
+                      'when this state was reached?) or None (judged later).')
     step = int(step)
     metadata = dict(metadata or {})
     if metadata.setdefault('step', step) != step:
@@ -194,7 +201,8 @@ class Checkpointer:
     info = {'format_version': FORMAT_VERSION, 'step': step, 'metadata': metadata,
             'paths': names, 'tree': str(treedef), 'checksum': CHECKSUM,
             'use_ocdbt': self.use_ocdbt, 'process_count': self._sync.count,
-            'jax_version': jax.__version__, 'healthy': bool(healthy)}
+            'jax_version': jax.__version__,
+            'healthy': None if healthy is None else bool(healthy)}
     # Daemon: a process that is failing must not hang at exit on a save that
     # waits for peers (train.py abandons it then; the partial save is ignored).
     self._thread = threading.Thread(
@@ -229,9 +237,12 @@ class Checkpointer:
         info['time'] = time.time()
         step_dirs.commit(self.directory, tmp, step, chunk_store.sealed(info), self.fsync)
       except BaseException as e:  # pylint: disable=broad-except
-        step_dirs.discard(tmp)
         error = error or e
         outcome = f'{type(e).__name__}: {e}'
+        try:
+          step_dirs.discard(tmp)
+        except Exception as left:  # pylint: disable=broad-except  # the save's error comes first
+          self._not_removed = f'{tmp} ({type(left).__name__}: {left})'
       if outcome == 'ok':
         try:
           self._apply_retention()
@@ -256,6 +267,26 @@ class Checkpointer:
       if s not in keep:
         step_dirs.delete_step(self.directory, s)
 
+  def judge(self, step: int, healthy: bool, judged_by: int) -> None:
+    """Records the health verdict of step `step` (saved, or being saved, with any flag),
+    judged by step `judged_by`: process 0 writes it into the step's directory
+    (step_dirs.write_verdict) once no save is in flight, i.e. now, or at the
+    next poll(), save() or wait(), so the step is committed when it is written
+    and the background retention never reads a half-written verdict. A step
+    that was never committed (a failed save) or is gone gets none.
+    """
+    self._verdicts[int(step)] = (bool(healthy), int(judged_by))
+    self.poll()
+
+  def _write_verdicts(self) -> None:
+    verdicts, self._verdicts = self._verdicts, {}
+    if self._sync.index != 0 or not verdicts:
+      return
+    steps = committed_steps(self.directory)
+    for step, (healthy, judged_by) in sorted(verdicts.items()):
+      if step in steps:
+        step_dirs.write_verdict(self.directory, step, healthy, judged_by, self.fsync)
+
   def poll(self) -> None:
     """Raises CheckpointSaveError now if the last background save has failed.
 
@@ -267,15 +298,21 @@ class Checkpointer:
       self.wait()
 
   def wait(self) -> None:
-    """Blocks until the in-flight save is committed; raises CheckpointSaveError if it failed."""
+    """Blocks until the in-flight save is committed; raises CheckpointSaveError if it
+    failed. Then writes the verdicts judge() holds."""
     if self._thread is not None:
       self._thread.join()
       self._thread = None
+    if self._error is None:
+      self._write_verdicts()
     if self._error is not None:
       (step, error), self._error = self._error, None
+      left, self._not_removed = self._not_removed, ''
+      tmp = (f'removing its temporary directory failed too, {left}; the next start removes '
+             'it' if left else 'its temporary directory was removed')
       raise CheckpointSaveError(
-          f'Checkpoint save of step {step} in {self.directory} failed; its temporary '
-          'directory was removed and earlier checkpoints are intact: '
+          f'Checkpoint save of step {step} in {self.directory} failed; {tmp}, and earlier '
+          'checkpoints are intact: '
           f'{type(error).__name__}: {error}. Fix the cause (disk space, permissions, '
           'the mount), then rerun the same command to resume from the latest '
           'checkpoint.') from error

@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import re
 from typing import Any
 
@@ -95,15 +94,8 @@ def tensorstore_failure(file: str, what: str, checkpoint_dir: str,
 
 
 def write_durable(path: str, text: str, fsync: bool) -> None:
-  """Writes a small file whole (a step's metadata.json or COMMIT), on disk or in a bucket."""
-  if storage.is_url(path):
-    storage.write(path, text.encode())
-    return
-  with open(path, 'w') as f:
-    f.write(text)
-    f.flush()
-    if fsync:
-      os.fsync(f.fileno())
+  """Writes a small file whole (a step's metadata.json), on disk or in a bucket."""
+  storage.write_atomic(path, text, fsync)
 
 
 fsync_dir = storage.fsync_dir

@@ -78,14 +78,11 @@ def copy_files(source: str, names: list[str], destination: str) -> None:
   bucket)."""
   storage.makedirs(destination)
   for name in names:
-    data = storage.read(storage.join(source, name))
-    if data is None:
+    try:
+      storage.copy_file(storage.join(source, name), storage.join(destination, name))
+    except FileNotFoundError:
       raise FileNotFoundError(f'{source}/{name} is gone: it was listed when the checkpoint was '
-                              'made. Restore it, or pass --tokenizer=PATH.')
-    if storage.is_url(source) or storage.is_url(destination):
-      storage.write_atomic(storage.join(destination, name), data)
-    else:
-      shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+                              'made. Restore it, or pass --tokenizer=PATH.') from None
 
 
 # --- Destination checkpoint directories ----------------------------------------------------
@@ -121,7 +118,7 @@ def install(staging: str, directory: str, step: int = 0) -> None:
   In a bucket (no rename) the old steps are deleted, COMMIT first, and the new step is
   copied in with its COMMIT last; the staging prefix is removed by the caller.
   """
-  if storage.is_url(directory):
+  if not storage.renames(directory):  # no directory exchange: step by step, COMMIT last
     for old in checkpoint.committed_steps(directory):
       step_dirs.delete_step(directory, old)
     step_dirs.discard(step_dirs.step_dir(directory, step))  # a copy cut short before

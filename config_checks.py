@@ -32,6 +32,8 @@ import kernels
 import model
 import optim
 import profiler
+import run_tokenizer
+import storage
 import token_files
 import tracking
 
@@ -63,6 +65,7 @@ def complete(cfg: ml_collections.ConfigDict, announce: bool = True
   d = cfg.data
   if tuple(d.paths) in (('',), ()):  # `--config.data.paths=` on the command line clears it
     d.paths = ()
+  canonical_locations(cfg)
   header = {'tokenizer': None, 'validation': []}
   if d.mix_file:
     try:
@@ -123,8 +126,36 @@ def complete(cfg: ml_collections.ConfigDict, announce: bool = True
   return cfg
 
 
-def _is_url(path: str) -> bool:
-  return '://' in path
+# Config fields that name a file or folder, and how the run uses each (storage.canonical's
+# keywords): read through the seam once, in `complete`, so every later use, every cache
+# key and every resume comparison sees one spelling. docs/storage.md lists them.
+LOCATION_FIELDS = {
+    'data.mix_file': {'writes': False}, 'data.base_dir': {'writes': False},
+    'data.paths': {'writes': False}, 'data.validation_paths': {'writes': False},
+    'data.tokenizer': {'writes': False}, 'train.init_from': {'writes': False},
+    # Memory-mapped caches: local files on every host.
+    'data.cache_dir': {'local_only': True}, 'data.remote_cache_dir': {'local_only': True},
+}
+
+
+def canonical_locations(cfg: ml_collections.ConfigDict) -> None:
+  """Rewrites every LOCATION_FIELDS value (and data.validation_sets' files) in its
+  canonical form (storage.canonical); a malformed one is a ConfigError naming the field."""
+  def one(field: str, value: str, **how: bool) -> str:
+    return storage.canonical(value, f'--config.{field}', **how) if value else value
+  for field, how in LOCATION_FIELDS.items():
+    section, name = field.split('.')
+    if name not in cfg[section]:
+      continue
+    value = cfg[section][name]
+    if isinstance(value, (tuple, list)):
+      cfg[section][name] = tuple(one(field, v, **how) for v in value)
+    elif isinstance(value, str):
+      cfg[section][name] = one(field, value, **how)
+  sets = cfg.data.get('validation_sets') or {}
+  for name, paths in list(sets.items()):
+    if isinstance(paths, (tuple, list)) and all(isinstance(p, str) for p in paths):
+      sets[name] = tuple(one(f'data.validation_sets[{name!r}]', p, writes=False) for p in paths)
 
 
 def _vocabulary(path: str, what: str = 'data.tokenizer') -> dict[str, int]:
@@ -146,15 +177,19 @@ def tokenizer_mismatch(stated: str, described: dict[str, Any]) -> str | None:
   None when it is: the same file (after resolving the paths), a byte-identical
   copy, or a file with the same vocabulary (token -> id, added tokens
   included). Where the mix's own file is not on this machine, its recorded ids
-  must at least name tokens of `stated` and fit its vocab_size. None also when
-  `stated` is not here to read (sample.py then says it cannot decode).
+  must at least name tokens of `stated` and fit its vocab_size. A `stated` file that
+  cannot be read is refused (run_tokenizer.TokenizerError): the run names it.
   """
   theirs = described.get('file') or ''
-  if _is_url(stated) or not os.path.isfile(stated):
+  if storage.identity(stated) == storage.identity(theirs or stated + '\0'):
     return None
-  if theirs and not _is_url(theirs) and os.path.isfile(theirs):
-    if (os.path.realpath(stated) == os.path.realpath(theirs)
-        or filecmp.cmp(stated, theirs, shallow=False)):
+  stated = run_tokenizer.find(None, stated, what='data.tokenizer')  # a local view; unreachable: refused
+  try:
+    theirs = theirs and run_tokenizer.find(None, theirs, what="the mix's tokenizer file")
+  except errors.UserError:  # not on this machine: its recorded ids are checked below
+    theirs = ''
+  if theirs:
+    if filecmp.cmp(stated, theirs, shallow=False):
       return None
     ours, mix = _vocabulary(stated), _vocabulary(theirs, "the mix's tokenizer file")
     if ours == mix:
@@ -173,12 +208,6 @@ def tokenizer_mismatch(stated: str, described: dict[str, Any]) -> str | None:
   return None
 
 
-def _resolved(path: str) -> str:
-  """A path as the file system resolves it (symlinks, `..`, the working directory); a URL
-  as it is spelled."""
-  return path if _is_url(path) else os.path.realpath(path)
-
-
 def check_held_out(cfg_data: ml_collections.ConfigDict) -> None:
   """Refuses data.validation_paths naming a training file: its loss is not held out.
 
@@ -189,8 +218,8 @@ def check_held_out(cfg_data: ml_collections.ConfigDict) -> None:
     return  # no training files to compare with, or both kinds: the dataset refuses that
   training, _, _, source = token_files.config_sources(cfg_data)
   held, *_ = token_files.config_sources(cfg_data, paths=list(cfg_data.validation_paths))
-  trained = {_resolved(p) for p in training}
-  both = [p for p in held if _resolved(p) in trained]
+  trained = {storage.identity(p) for p in training}
+  both = [p for p in held if storage.identity(p) in trained]
   if both:
     more = f' (and {len(both) - 1} more)' if len(both) > 1 else ''
     raise errors.ConfigError(
@@ -203,12 +232,26 @@ def check_held_out(cfg_data: ml_collections.ConfigDict) -> None:
 # --- Validation -------------------------------------------------------------------------
 
 
+def check_layer_pattern(cfg_model: ml_collections.ConfigDict) -> None:
+  """num_layers must be whole periods of layer_pattern; the error names both flags, since
+  a shallow model (2 layers of configs/small.py's 'SSSF') is fixed by either."""
+  pattern, layers = cfg_model.layer_pattern, cfg_model.num_layers
+  if pattern and not set(pattern) - {'S', 'F'} and layers >= 1 and layers % len(pattern):
+    period = max(k for k in range(1, len(pattern) + 1) if layers % k == 0)
+    raise errors.ConfigError(
+        f'model.num_layers={layers} is not a multiple of {len(pattern)}, the period of '
+        f'model.layer_pattern={pattern!r}: set --config.model.layer_pattern to a pattern whose length '
+        f'divides {layers} (e.g. --config.model.layer_pattern={pattern[-period:]}, its last '
+        f'{period}) or --config.model.num_layers to a multiple of {len(pattern)}.')
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, naming the field and the fix; touches nothing.
 
   Raises errors.ConfigError. The model's and optimizer's own rules live beside
   what they describe (model.validate, optim.check_config); this runs them all.
   """
+  check_layer_pattern(cfg.model)
   try:
     model.validate(cfg.model)
     optim.check_config(cfg.opt)
@@ -327,7 +370,7 @@ def _same_paths(a: Any, b: Any) -> bool:
   """Whether two spellings of a path (or of a list of paths) name the same files, resolved
   against this working directory ('' names no file: it equals only '')."""
   if isinstance(a, str) and isinstance(b, str):
-    return bool(a) and bool(b) and _resolved(a) == _resolved(b)
+    return bool(a) and bool(b) and storage.identity(a) == storage.identity(b)
   if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
     return all(x == y or _same_paths(x, y) for x, y in zip(a, b))
   return False

@@ -33,7 +33,6 @@ already there is replaced only with --overwrite, by an atomic exchange of the
 two directories, so a crash leaves the old checkpoint or the new, never a mix.
 """
 
-import os
 import re
 import sys
 
@@ -54,7 +53,7 @@ WORKDIR_CHECKPOINTS = 'checkpoints'  # train.py's <workdir>/checkpoints
 
 def run_checkpoint_dir(to: str) -> str:
   """Where --from_olmo_core writes for --to=`to`: the workdir's checkpoint directory."""
-  to = storage.check(to, '--to').rstrip('/') if storage.is_url(to) else os.path.normpath(to)
+  to = storage.canonical(to, '--to')
   if storage.basename(to) == WORKDIR_CHECKPOINTS:
     return to
   steps = checkpoint.committed_steps(to) if storage.isdir(to) else []
@@ -108,14 +107,16 @@ def main(argv):
     raise app.UsageError('--config goes with --from_olmo_core (the run config the converted '
                          'checkpoint continues with).')
   try:
-    for flag in ('from_ckpt', 'to'):  # our checkpoints: a path or a gs:// or s3:// URL
-      if getattr(FLAGS, flag):
-        storage.check(getattr(FLAGS, flag), f'--{flag}')
-    for flag in ('from_hf', 'to_hf', 'to_olmo_core'):  # other formats: local files
-      if getattr(FLAGS, flag) and storage.is_url(getattr(FLAGS, flag)):
-        raise errors.ConfigError(f'--{flag}={getattr(FLAGS, flag)} is a URL; HF and OLMo-core '
-                                 'directories are written and read on a local path (copy them '
-                                 'with gcloud storage cp / aws s3 cp).')
+    # Every location flag in storage.canonical's one form, before any work. Our checkpoints:
+    # a path or a gs:// or s3:// URL; --from_olmo_core also http(s)://; HF and OLMo-core
+    # directories and the download cache: local paths (a URL: one line, the copy command).
+    for flag, writes, local_only in (('from_ckpt', False, False), ('to', True, False),
+                                     ('from_olmo_core', False, False),
+                                     ('from_hf', False, True), ('to_hf', True, True),
+                                     ('to_olmo_core', True, True), ('cache_dir', True, True)):
+      if FLAGS[flag].value:
+        FLAGS[flag].value = storage.canonical(FLAGS[flag].value, f'--{flag}', writes=writes,
+                                              local_only=local_only)
     if mode == 'from_hf':
       ckpt_files.check_destination(FLAGS.to, FLAGS.overwrite)  # before minutes of reading
       params, cfg = hf_ckpt.load_hf(FLAGS.from_hf)
@@ -145,25 +146,26 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.DEFINE_string('from_hf', None, 'HF Olmo 3 directory to read')
-  flags.DEFINE_string('to', None, 'with --from_hf: the checkpoint directory to write (step_0, '
+  flags.DEFINE_string('from_hf', None, 'reads an HF Olmo 3 directory (a local path)')
+  flags.DEFINE_string('to', None, 'writes (a path, gs:// or s3://) with --from_hf: the '
+                      'checkpoint directory (step_0, '
                       'params only; for train.init_from). With --from_olmo_core: the train.py '
                       'workdir to write (step_N into DIR/checkpoints/, or into DIR itself when '
                       'it is named checkpoints), which train.py --workdir=DIR resumes')
   flags.DEFINE_bool('overwrite', False, 'replace the checkpoint --to already holds (the whole '
                     'checkpoint directory, atomically)')
-  flags.DEFINE_string('from_ckpt', None, 'our checkpoint directory to read')
+  flags.DEFINE_string('from_ckpt', None, 'reads our checkpoint directory (a path, gs:// or s3://)')
   flags.DEFINE_integer('step', None, 'checkpoint step (default: latest)')
-  flags.DEFINE_string('to_hf', None, 'HF directory to write')
+  flags.DEFINE_string('to_hf', None, 'writes an HF directory (a local path)')
   flags.DEFINE_enum('dtype', None, sorted(hf_ckpt.DTYPES), 'HF weight dtype (default: the HF '
                     "source's when the checkpoint came from HF, else float32)")
   flags.DEFINE_integer('vocab_size', None, "HF vocab rows (default: the HF source's, else the "
                        'config data.vocab_size)')
-  flags.DEFINE_string('from_olmo_core', None, 'OLMo-core step directory (stepN/) or its '
-                      'http(s) URL: weights, AdamW moments, step, data position, config')
-  flags.DEFINE_string('to_olmo_core', None, 'OLMo-core step directory to write (for its '
-                      "trainer's load_path)")
-  flags.DEFINE_string('cache_dir', None, 'where a --from_olmo_core URL is downloaded '
+  flags.DEFINE_string('from_olmo_core', None, 'reads an OLMo-core step directory (stepN/) or its '
+                      'gs/s3/http(s) URL: weights, AdamW moments, step, data position, config')
+  flags.DEFINE_string('to_olmo_core', None, 'writes an OLMo-core step directory (a local '
+                      "path; for its trainer's load_path)")
+  flags.DEFINE_string('cache_dir', None, 'local folder a --from_olmo_core URL is downloaded to '
                       '(default ~/.cache/olmo3_jax/olmo_core)')
   flags.DEFINE_string('tokenizer', None, "tokenizer.json to export (default: the HF source's "
                       "tokenizer files, else data/tokenizer.json when its vocabulary is the run's)")

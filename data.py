@@ -256,12 +256,14 @@ class Loader:
 # Held-out batches (batches.py builds a batch from instances).
 
 
-def held_out_batches(cfg_data: Any, divisor: Any) -> list[dict[str, np.ndarray]] | None:
+def held_out_batches(cfg_data: Any, divisor: Any, rows: Any = None) -> list | None:
   """train.py's fixed held-out batches from cfg.data.validation_paths, or None with a warning.
 
   At most cfg.data.global_batch_size instances per batch, cut to a multiple of
   divisor(batch size) (the devices that split it); a set shorter than one
   seq_len, or than one such batch, is skipped with a warning, never an error.
+  With rows (batch size -> the sorted rows this process holds, batches.local_rows),
+  only those rows are read: a list of (rows of each batch, batch size).
   """
   paths = list(cfg_data.validation_paths)
   longest = max([f.num_tokens for f in token_files.inspect_files(paths, sample=False)], default=0)
@@ -280,19 +282,25 @@ def held_out_batches(cfg_data: Any, divisor: Any) -> list[dict[str, np.ndarray]]
     logging.warning('The held-out set %s holds %d instances, too few for one batch on this '
                     'mesh: validation loss is not measured.', paths, ds.num_instances)
     return None
-  return validation_batches(ds, size, cfg_data.validation_batches,
-                            document_masking=wants_segments(cfg_data))
+  local = None if rows is None else np.asarray(rows(size))
+  held = validation_batches(ds, size, cfg_data.validation_batches,
+                            document_masking=wants_segments(cfg_data), rows=local)
+  return held if rows is None else [(b, size) for b in held]
 
 
 def validation_batches(ds: Dataset, batch_size: int, num_batches: int, *,
-                       document_masking: bool = False) -> list[dict[str, np.ndarray]]:
-  """Fixed held-out batches: instances 0, 1, ... in file order (no shuffle, no filter)."""
+                       document_masking: bool = False, rows: np.ndarray | None = None
+                       ) -> list[dict[str, np.ndarray]]:
+  """Fixed held-out batches: instances 0, 1, ... in file order (no shuffle, no filter);
+  only rows `rows` of each (in that order) when given. Every row stands alone (labels,
+  segment ids), so a batch's rows read apart equal the same rows of the whole batch."""
   n = min(num_batches, ds.num_instances // batch_size)
   if n == 0:
     raise DataError(f'the validation set has {ds.num_instances} instances of length {ds.seq_len}, '
                     f'fewer than one batch of {batch_size}.')
-  return [batches.make_batch(ds.read(np.arange(b * batch_size, (b + 1) * batch_size)),
-                             eos_token_id=ds.eos_token_id, document_masking=document_masking)
+  rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
+  return [batches.make_batch(ds.read(b * batch_size + rows), eos_token_id=ds.eos_token_id,
+                             document_masking=document_masking)
           for b in range(n)]
 
 

@@ -77,14 +77,27 @@ def one_line(log_file: str | None = None, also: tuple[type[BaseException], ...] 
   try:
     yield
   except UserError as e:
-    _log_stack(log_file, append)
+    _log_stack(_log_file_for(e, log_file), append)
     report(str(e), e.exit_code)
   except also as e:  # pylint: disable=catching-non-exception  # () catches nothing
-    _log_stack(log_file, append)
+    _log_stack(_log_file_for(e, log_file), append)
     report(str(e), EXIT_USAGE)
   except restartable as e:  # pylint: disable=catching-non-exception
-    _log_stack(log_file, append)
+    _log_stack(_log_file_for(e, log_file), append)
     report(str(e), EXIT_CRASH)
+
+
+def _log_file_for(error: BaseException, log_file: str | None) -> str | None:
+  """`log_file`, unless it is kept in the store `error` reports failing (its
+  `failed_store`, e.g. 's3://BUCKET', on it or on an error it was raised from): appending
+  there would wait out the same retries again before the line is printed."""
+  seen = error
+  while seen is not None and log_file:
+    failed = getattr(seen, 'failed_store', '')
+    if failed and (log_file == failed or log_file.startswith(failed.rstrip('/') + '/')):
+      return None
+    seen = seen.__cause__ or seen.__context__
+  return log_file
 
 
 def _append_local(path: str, text: str) -> None:

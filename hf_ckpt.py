@@ -12,9 +12,10 @@ holds the config.json and generation_config.json as read (vocabulary, token
 ids, dtype, context length), and step_0/hf_files/ the tokenizer files. The
 export writes them back, so HF -> checkpoint -> HF gives the same model. A
 train.py checkpoint exports its data config's vocabulary, token ids and
-sequence length (YaRN's settings for a long-context run), and the run's
-tokenizer (default the embedded one when its vocabulary is the run's) with a
-tokenizer_config.json naming EOS and PAD.
+sequence length (YaRN's settings for a long-context run), and the run's own
+tokenizer (run_tokenizer.find, or --tokenizer) with a tokenizer_config.json
+naming EOS and PAD; an export with no tokenizer to carry is refused before
+anything is written.
 
 HF config dialects read (docs/architecture.md):
   hub:    top-level `rope_theta`, `rope_scaling`, `layer_types`, `sliding_window`
@@ -40,13 +41,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer
 
 import checkpoint
 import ckpt_files
 from ckpt_files import ConversionError
 from configs import olmo3_7b
 import model
+import run_tokenizer
 import storage
 
 # HF tensor name for layer i -> (our module, our name); HF Linear weights are
@@ -78,8 +79,6 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_ma
                    'vocab.json', 'merges.txt', 'added_tokens.json', 'tokenizer.model',
                    'chat_template.jinja', 'chat_template.json')
 HF_FILES = 'hf_files'
-EMBEDDED_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
-                                  'tokenizer.json')
 DEFAULT_POSITIONS = 8192  # stages 1-2's sequence length: for a config that names none
 
 
@@ -427,22 +426,29 @@ def export_hf(ckpt_dir: str, out: str, *, step: int | None = None, dtype: str | 
   vocab_size to the source's or the run's data config. Returns the dtype used.
   """
   step = checkpoint.latest_step(ckpt_dir) if step is None else step
-  params, full = load_checkpoint_params(ckpt_dir, step)
   source = checkpoint.read_metadata(ckpt_dir, step).get('hf_source')
+  hf_files = tokenizer is None and source and source['files']
+  if not hf_files:  # the run's own tokenizer, found before anything is written
+    metadata = checkpoint.read_metadata(ckpt_dir, step)
+    tokenizer = run_tokenizer.find(metadata.get('config', {}).get('data'), tokenizer)
+    if tokenizer is None:
+      raise ConversionError(f'{ckpt_dir} step {step} names no tokenizer (its config has no '
+                            'data.tokenizer); an HF export without one is unusable: pass '
+                            '--tokenizer=PATH (or a URL) to the tokenizer.json its data was '
+                            'made with.')
+  params, full = load_checkpoint_params(ckpt_dir, step)
   dtype = dtype or _source_dtype(source)
   config = export_config(full, source, vocab_size=vocab_size, dtype=dtype)
+  if not hf_files:
+    check_tokenizer(tokenizer, config)
   save_hf(params, full.model, out, vocab_size=config['vocab_size'], dtype=dtype, config=config)
   ckpt_files.write_json(os.path.join(out, 'generation_config.json'),
                         (source or {}).get('generation_config') or _generation_config(config))
-  if tokenizer is None and source and source['files']:
+  if hf_files:
     step_dir = storage.join(ckpt_dir, f'step_{step}', HF_FILES)
     ckpt_files.copy_files(step_dir, source['files'], out)
   else:
-    tokenizer = tokenizer or _run_tokenizer(full, config['vocab_size'])
-    if tokenizer:
-      _write_tokenizer(tokenizer, config, out)
-    else:
-      logging.warning('No tokenizer written to %s: pass --tokenizer=PATH/tokenizer.json.', out)
+    _write_tokenizer(tokenizer, config, out)
   return dtype
 
 
@@ -483,20 +489,15 @@ def _generation_config(config: dict) -> dict:
   return {'_from_model_config': True, **{k: v for k, v in ids.items() if v is not None}}
 
 
-def _run_tokenizer(full: ml_collections.ConfigDict, vocab_size: int) -> str | None:
-  """The run's own tokenizer (data.tokenizer, which train.py fills in from the mix), else
-  the embedded one when the run's vocabulary is its."""
-  own = full.get('data', {}).get('tokenizer') or ''  # a saved config of older code may lack it
-  if os.path.exists(own):
-    return own
-  if Tokenizer.from_file(EMBEDDED_TOKENIZER).get_vocab_size() == vocab_size:
-    return EMBEDDED_TOKENIZER
-  return None
-
-
-def _write_tokenizer(path: str, config: dict, out: str) -> None:
-  """tokenizer.json plus a tokenizer_config.json naming its special tokens by the config's ids."""
-  tok = Tokenizer.from_file(path)
+def check_tokenizer(path: str, config: dict) -> dict[str, str]:
+  """{'eos_token': ..., ...}: the special tokens of the local tokenizer.json `path` for the
+  config's ids; a ConversionError when it lacks one or is larger than the vocabulary (it is
+  not the run's tokenizer)."""
+  tok = run_tokenizer.load(path)
+  if tok.get_vocab_size() > config['vocab_size']:
+    raise ConversionError(f'{path} has {tok.get_vocab_size()} tokens, the model '
+                          f'{config["vocab_size"]}; it is not the run\'s tokenizer. Pass the '
+                          'right one with --tokenizer=PATH.')
   special = {}
   for name in ('bos', 'eos', 'pad'):
     token_id = config.get(f'{name}_token_id')
@@ -507,6 +508,12 @@ def _write_tokenizer(path: str, config: dict, out: str) -> None:
     if special[f'{name}_token'] is None:
       raise ConversionError(f'{path} has no token {token_id} ({name}_token_id); it is not the '
                             "run's tokenizer. Pass the right one with --tokenizer=PATH.")
+  return special
+
+
+def _write_tokenizer(path: str, config: dict, out: str) -> None:
+  """tokenizer.json plus a tokenizer_config.json naming its special tokens by the config's ids."""
+  special = check_tokenizer(path, config)
   shutil.copyfile(path, os.path.join(out, 'tokenizer.json'))
   ckpt_files.write_json(os.path.join(out, 'tokenizer_config.json'), {
       'tokenizer_class': 'PreTrainedTokenizerFast', **special,

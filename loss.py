@@ -7,6 +7,15 @@ so gradient accumulation and data parallelism change nothing. This module
 holds all three parts: which labels count (IGNORE_INDEX, the instance mask),
 the sums, and the denominator. train.py divides one by the other.
 
+The softmax runs over every column of the head it is given, and training
+gives the whole head (model.head_weight without vocab_size): the padding
+columns past the tokenizer's vocabulary (Olmo 3: 100,278 real of 100,352)
+count too, as in OLMo-core's loss over the padded embedding. Held-out loss is
+the same CE without z-loss (held_out_sums) over the same whole head, for
+train.py's in-loop `eval/lm/<set>/CE loss` and eval.py's --suite=heldout on
+a train.py checkpoint alike, so the two report one number on the same
+batches (eval.py gives an HF model's head its own width, as HF scores it).
+
 The output head (model.head_weight) is applied inside the sums, a chunk of
 positions at a time, so that no [B, T, V] float32 logits array has to exist
 (kernels/chunked_ce.py: the per-chunk sums and their CPU-tuned backward).
@@ -91,3 +100,12 @@ def denominator(labels_BT: jax.Array, instance_mask_B: jax.Array | None = None) 
     return jnp.sum(valid_BT, dtype=jnp.int32)
   kept = jnp.sum(valid_BT & instance_mask_B[:, None], dtype=jnp.int32)
   return kept + jnp.sum(~instance_mask_B, dtype=jnp.int32) * labels_BT.shape[1]
+
+
+def held_out_sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
+                  instance_mask_B: jax.Array, *, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """(CE sum, label count) of held-out tokens: sums() without z-loss, over denominator()'s
+  labels. `w_head_DV`: the head the model trained with (for our runs the whole head,
+  padding columns included)."""
+  ce_sum, _ = sums(hidden_BTD, w_head_DV, labels_BT, instance_mask_B, z_loss=0.0, chunk=chunk)
+  return ce_sum, denominator(labels_BT, instance_mask_B)

@@ -73,10 +73,12 @@ def _timed(fn) -> float:
 class MetricWriter:
   """metrics.jsonl and TensorBoard event files under Ai2's W&B names, process 0 only.
 
-  Resuming at step `start` drops what a run killed after its last checkpoint
-  logged past it: JSONL records with step > start (and a line cut by the
-  kill) are removed, and TensorBoard is told to purge them (a SessionLog
-  START at start + 1), so both hold exactly one history of the run.
+  Starting at step `start` (0 too) drops what a run killed after its last
+  checkpoint (or before its first) logged past it: JSONL records with step >
+  start (and a line cut by the kill) are removed, TensorBoard is told to purge
+  them (a SessionLog START at start + 1), and W&B, which loses what its
+  service had buffered when a process is killed, gets the records up to
+  `start` again (tracking.Tracker.resume), so all three hold one history.
 
   In a gs:// or s3:// workdir, which cannot append, metrics.jsonl is a folder
   `metrics.jsonl.d/` of segments, one object per flush named by its first step
@@ -92,7 +94,7 @@ class MetricWriter:
     self.tracker = tracker  # tracking.Tracker: each record goes to W&B too (a no-op when off)
     if not self.enabled:
       return
-    self.remote = storage.is_url(workdir)
+    self.remote = not storage.appends(workdir)  # a bucket: one segment object per flush
     self.path = storage.join(workdir, METRICS)
     self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
     self.pending: list[str] = []
@@ -101,10 +103,13 @@ class MetricWriter:
     else:
       _truncate_file(self.path, start)
       self.jsonl = open(self.path, 'a')
+    if self.tracker is not None:  # W&B may have lost records up to `start`: they go again
+      self.tracker.resume(start)
     # Tags are written as they are ('train/CE loss'); TensorBoard accepts any tag.
     self.tb = events.Writer(storage.join(workdir, 'tensorboard'))
-    if start:
-      self.tb.start_session(start + 1)
+    # At every start, 0 included: a run killed before its first checkpoint logged steps
+    # that this one logs again.
+    self.tb.start_session(start + 1)
 
   def write(self, step: int, metrics: dict[str, float | str]) -> None:
     """One record; numbers become TensorBoard scalars, strings its text summaries."""
@@ -188,10 +193,10 @@ def read_records(location: str) -> list[dict[str, Any]]:
   """Every record of a run's metrics.jsonl (a workdir, the file, or a bucket's segments)."""
   if not location.rstrip('/').endswith(METRICS):
     location = storage.join(location, METRICS)
-  if storage.is_url(location):
-    folder = location + SEGMENTS
-    text = ''.join(storage.read_text(storage.join(folder, n)) or ''
-                   for n in storage.listdir(folder))
+  folder = location + SEGMENTS  # a bucket run's segments (a filesystem run has none)
+  segments = storage.listdir(folder)
+  if segments:
+    text = ''.join(storage.read_text(storage.join(folder, n)) or '' for n in segments)
   else:
     text = storage.read_text(location)
     if text is None:
@@ -292,6 +297,16 @@ def _duration(seconds: float) -> str:
   if s >= 3600:
     return f'{s // 3600}h{s % 3600 // 60:02d}m'
   return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{s}s'
+
+
+def checkpoint_meta(cfg: ml_collections.ConfigDict, step: int, loader: Any, version: str,
+                    recovery: Any = None) -> dict[str, Any]:
+  """What train.py records in a checkpoint besides the state: the config, the data position
+  (data.Loader.state, with its skipped windows), the code, and the rollbacks so far
+  (rollback.Recovery.meta)."""
+  return {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
+          'code_version': version, 'rng_seed': cfg.train.seed,
+          **(recovery.meta() if recovery else {})}
 
 
 def code_version() -> str:

@@ -337,8 +337,10 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
   if positions_BT is None:
     positions_BT = positions(cfg, b, t, segment_ids_BT)
   period = len(cfg.layer_pattern)
+  # Sorted: a set's order follows the hash seed, and another order traces another program,
+  # which the persistent compilation cache would miss on every other restart.
   ropes = {kind: rope_tables(positions_BT, *rope_frequencies(cfg, kind == 'F'))
-           for kind in set(cfg.layer_pattern)}
+           for kind in sorted(set(cfg.layer_pattern))}
   ops = kernels.select(cfg, segments=segment_ids_BT is not None)
 
   def group(x_BTD, group_params):

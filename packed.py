@@ -301,12 +301,8 @@ class PackedDataset:
                        f'{self.eos_token_id},{self.bos_token_id},{self.stable_packing},'.encode())
     for f in self.groups[g]:
       file = self.files[f]
-      if storage.is_url(file.path):  # no mtime to read: the URL and size name it
-        h.update(f'{file.path},{file.size},{file.header},'.encode())
-        continue
-      stat = os.stat(file.path)  # a rewritten file changes its size or mtime: a new name
-      h.update(f'{os.path.realpath(file.path)},{file.size},{stat.st_mtime_ns},'
-               f'{file.header},'.encode())
+      # A rewritten file changes its size or fingerprint (mtime): a new name.
+      h.update(f'{storage.fingerprint(file.path)},{file.size},{file.header},'.encode())
     return os.path.join(self.cache_dir, f'packed_T{self.seq_len}_{h.hexdigest()[:40]}.bin')
 
   def _packing(self, g: int) -> _Packing:

@@ -36,13 +36,19 @@ FOLDER = 'profile'  # <workdir>/profile: tensorboard --logdir points here
 
 
 def check_config(cfg_train: ml_collections.ConfigDict) -> None:
-  """train.profile_steps and profile_hosts; raises ValueError naming the field and the fix."""
+  """train.profile_steps (within 1..train.steps) and profile_hosts; raises ValueError naming
+  the field and the fix."""
   steps, hosts = tuple(cfg_train.profile_steps), tuple(cfg_train.profile_hosts)
   ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
   if steps and not (len(steps) == 2 and ints(steps) and 1 <= steps[0] <= steps[1]):
     raise ValueError(f'train.profile_steps={steps!r} must be () (off) or (START, STOP) with '
                      '1 <= START <= STOP, the steps traced (inclusive); e.g. '
                      "--config.train.profile_steps='(5, 7)'.")
+  if steps and steps[1] > cfg_train.steps:
+    raise ValueError(f'train.profile_steps={steps!r} reaches past the last step, '
+                     f'train.steps={cfg_train.steps}: steps past it are never traced. Choose '
+                     f'steps within 1..{cfg_train.steps} with --config.train.profile_steps, '
+                     'or raise --config.train.steps.')
   if not (hosts and ints(hosts) and min(hosts) >= 0):
     raise ValueError(f'train.profile_hosts={hosts!r} must be a non-empty tuple of process '
                      "indices; e.g. --config.train.profile_hosts='(0,)'.")

@@ -45,6 +45,8 @@ import storage
 
 TOKEN_DTYPE = np.dtype('<u4')  # token_files.TOKEN_DTYPE
 _FAR = 1 << 50  # an offset past the end of any token file
+_SHORT_REPLY_RETRIES = 4  # a range answered short is asked again this often
+_SHORT_REPLY = re.compile(r'not satisfied by response with byte range \[(\d+), (\d+)\)')
 # A size the store states in an error: tensorstore's partial-range message, S3's InvalidRange.
 _SIZE_RE = re.compile(r'(?:total size|value of size) (\d+)|ActualObjectSize>(\d+)<')
 _CONTENT_RANGE = re.compile(r'bytes (?:\d+-\d+|\*)/(\d+)')
@@ -65,14 +67,7 @@ def _count(n: int = 1) -> None:
 
 
 def _credentials_hint(url: str) -> str:
-  s = storage.scheme(url)
-  if s == 'gs':
-    return ('give Google credentials (GOOGLE_APPLICATION_CREDENTIALS=key.json, or `gcloud auth '
-            'application-default login`) that may read the bucket')
-  if s == 's3':
-    return ('give AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) '
-            'that may read the bucket, and AWS_REGION / AWS_ENDPOINT_URL for a non-AWS store')
-  return 'check the URL, or that the server lets this machine read it'
+  return storage.credentials_hint(url)
 
 
 def error(url: str, e: Exception, what: str = '') -> Exception:
@@ -84,6 +79,8 @@ def error(url: str, e: Exception, what: str = '') -> Exception:
   """
   message = str(e).split('\n')[0][:300]
   what = f' ({what})' if what else ''
+  if isinstance(e, storage.StorageConfigError):  # no bucket, a bad name, access denied
+    return DataError(f'{url}{what}: {e}')
   if 'ignored by server' in message:
     return ranges_error(url)
   if any(k in message for k in ('PERMISSION_DENIED', 'UNAUTHENTICATED', 'HTTP code 403',
@@ -198,10 +195,9 @@ class RangeReader:
   """
 
   def __init__(self, cache_dir: str = ''):
-    if cache_dir and storage.is_url(cache_dir):
-      raise DataError(f'data.remote_cache_dir={cache_dir!r} must be a local folder (it caches '
-                      'what is read from remote storage).')
-    self.cache_dir = cache_dir
+    # A local folder (it caches what is read from remote storage): a URL is refused.
+    self.cache_dir = cache_dir and storage.canonical(cache_dir, 'data.remote_cache_dir',
+                                                     local_only=True)
 
   def _path(self, url: str, size: int, start: int, stop: int) -> str:
     key = hashlib.sha256(f'{url}\n{size}'.encode()).hexdigest()[:24]
@@ -246,16 +242,54 @@ class RangeReader:
       try:
         r = future.result()
       except ValueError as e:
-        raise error(url, e, f'bytes [{start}, {stop})') from e
-      if r.state != 'value':
-        raise missing_error(url)
-      if len(r.value) != stop - start:
-        raise error(url, ValueError(f'OUT_OF_RANGE: {len(r.value)} bytes of {stop - start}'),
-                    f'bytes [{start}, {stop})')
-      out[i] = r.value
+        m = _SHORT_REPLY.search(str(e))  # the client noticed the short answer itself
+        if not m:
+          raise error(url, e, f'bytes [{start}, {stop})') from e
+        value = _reread_short(url, size, start, stop, int(m.group(2)) - int(m.group(1)))
+      else:
+        if r.state != 'value':
+          raise missing_error(url)
+        value = r.value if len(r.value) == stop - start else _reread_short(
+            url, size, start, stop, len(r.value))
+      out[i] = value
       if path:
-        self._keep(path, url, r.value)
+        self._keep(path, url, value)
     return out
+
+
+def _reread_short(url: str, size: int, start: int, stop: int, got: int) -> bytes:
+  """Bytes [start, stop) of `url` after an answer of only `got` bytes. A reply cut short
+  is a transport fault: the range is asked again (backing off as the client does), and
+  only an object that is now shorter than the run measured is reported as replaced."""
+  store, key = storage.kvstore(url)
+  for attempt in range(_SHORT_REPLY_RETRIES):
+    time.sleep(min(32.0, 0.5 * 2 ** attempt))
+    _count()
+    try:
+      r = store.read(key, byte_range=slice(start, stop)).result()
+    except ValueError as e:
+      m = _SHORT_REPLY.search(str(e))
+      if not m:
+        raise error(url, e, f'bytes [{start}, {stop})') from e
+      got = int(m.group(2)) - int(m.group(1))
+      continue
+    if r.state != 'value':
+      raise missing_error(url)
+    if len(r.value) == stop - start:
+      return r.value
+    got = len(r.value)
+  now = probe(url)
+  if now is None:
+    raise missing_error(url)
+  if now < stop:  # the object itself changed under the run
+    raise error(url, ValueError(f'OUT_OF_RANGE: {got} bytes of {stop - start}; the object is '
+                                f'{now} bytes, {size} when the run measured it'),
+                f'bytes [{start}, {stop})')
+  raise storage.StorageError(
+      f'reading {url} (bytes [{start}, {stop})) failed on {storage.describe(url)}: '
+      f'{_SHORT_REPLY_RETRIES + 1} answers in a row were cut short ({got} bytes of '
+      f'{stop - start}) although the object still holds them; a rerun may succeed once '
+      'the store or the network answers whole.')
 
 
 def _write(path: str, value: bytes) -> None:
@@ -309,9 +343,10 @@ class RemoteTokens:
   mix go to `local`, a TokenMaps over the same files.
   """
 
-  def __init__(self, files: Sequence[Any], local: Any, cache_dir: str = ''):
+  def __init__(self, files: Sequence[Any], local: Any, cache_dir: str = '', *,
+               remote: Sequence[bool]):
     self.files, self.local = files, local
-    self.remote = [storage.is_url(f.path) for f in files]
+    self.remote = list(remote)  # per file: read by byte range (token_files.memory_mapped)
     self.reader = RangeReader(cache_dir)
 
   def read_many(self, pieces: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:

@@ -13,7 +13,8 @@ train.rollback_attempts allows another attempt, the run does not stop: it
   3. renames the step_N directories newer than R to rolledback.step_N.<attempt>
      (step_dirs.set_aside; step_dirs' listing ignores that name, so no resume,
      retention or committed_steps sees them again), keeping those of the newest
-     train.keep_rolledback attempts only;
+     train.keep_rolledback attempts that set any aside; with keep_rolledback=0
+     it deletes them instead (in a bucket a set-aside is a copy of the state);
   4. restores R and continues with the window skipped, and the LR scaled by
      train.rollback_lr_factor for train.rollback_lr_steps steps.
 
@@ -144,9 +145,15 @@ class Recovery:
     return {'rollbacks': list(self.entries)} if self.entries else {}
 
   def _set_aside(self, entry: dict[str, Any]) -> None:
-    """Renames step dirs newer than the entry's restored step that predate the entry, then
-    deletes the set-aside states of attempts older than the newest keep_rolledback."""
+    """Takes the step dirs newer than the entry's restored step that predate the entry out
+    of the listing, then keeps the set-aside states of the newest keep_rolledback attempts
+    that set any aside (an attempt that found nothing to set aside does not count).
+
+    keep_rolledback=0 deletes them where they are (COMMIT first: step_dirs.delete_step):
+    in a bucket setting a state aside copies every object of it, only to delete it.
+    """
     directory, attempt = self.ckpt.directory, entry['attempt']
+    keep = self.cfg.train.keep_rolledback
     for name in storage.listdir(directory):
       m = step_dirs.STEP_RE.match(name)
       if not m or int(m.group(1)) <= entry['restored_step']:
@@ -155,14 +162,22 @@ class Recovery:
         known = len(checkpoint.read_metadata(directory, int(m.group(1))).get('rollbacks', []))
       except (checkpoint.CorruptCheckpointError, FileNotFoundError):
         known = 0  # unreadable or uncommitted: never a state saved after this attempt
-      if known < attempt:
+      if known >= attempt:
+        continue
+      if keep:
         step_dirs.set_aside(directory, name, f'rolledback.{name}.{attempt}')
-    kept = attempt - self.cfg.train.keep_rolledback  # attempts above this keep their states
+      else:
+        logging.info('Deleting %s (rolled back; train.keep_rolledback=0).', name)
+        step_dirs.delete_step(directory, int(m.group(1)))
+    aside: dict[int, list[str]] = {}  # attempt -> its set-aside states
     for name in storage.listdir(directory):
       m = ASIDE_RE.match(name)
-      if m and int(m.group(2)) <= kept:
-        logging.info('Deleting %s (train.keep_rolledback=%d).', name,
-                     self.cfg.train.keep_rolledback)
+      if m:
+        aside.setdefault(int(m.group(2)), []).append(name)
+    attempts = sorted(aside)
+    for old in attempts[:len(attempts) - keep]:
+      for name in aside[old]:
+        logging.info('Deleting %s (train.keep_rolledback=%d).', name, keep)
         storage.delete_tree(storage.join(directory, name),
                             first=(step_dirs.COMMIT, checkpoint.METADATA))
 

@@ -9,18 +9,17 @@ small model loops on its likeliest phrase ("and I have the king, and I have
 the king"), which shows what it learned less well than a sample does.
 """
 
-import os
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from tokenizers import Tokenizer
 
 import data
+import errors
 import model
-import storage
+import run_tokenizer
 
 
 def generate(cfg_model: ml_collections.ConfigDict, params: model.Params, prompt_ids: list[int],
@@ -51,15 +50,15 @@ def print_sample(cfg: ml_collections.ConfigDict, params: model.Params, length: i
                  prompt_tokens: int = 16) -> None:
   """A sampled continuation of the held-out set's first `prompt_tokens` tokens (else the
   training set's), decoded with the run's own tokenizer (data.tokenizer)."""
-  try:  # a mix in a bucket names its tokenizer there: fetched once to the local cache
-    path = cfg.data.tokenizer and storage.local_file(cfg.data.tokenizer)
-  except OSError:
-    path = None
-  if not path or not os.path.exists(path):
-    logging.warning('No sample: data.tokenizer (%r) names no tokenizer.json to decode it with.',
-                    cfg.data.tokenizer)
+  try:  # wherever it lives (a bucket too), checked against its source on every use
+    path = run_tokenizer.find(cfg.data)
+  except errors.UserError as e:  # train.py checked it at start-up: it went away since
+    logging.warning('No sample: %s', e)
     return
-  tok = Tokenizer.from_file(path)
+  if path is None:
+    logging.warning('No sample: the run names no tokenizer (data.tokenizer) to decode it with.')
+    return
+  tok = run_tokenizer.load(path)
   ds = data.Dataset.from_config(cfg.data, paths=list(cfg.data.validation_paths) or None)
   prompt = ds.read([0])[0, :prompt_tokens].tolist()
   ids = generate(cfg.model, params, prompt, length, vocab_size=cfg.data.vocab_size,

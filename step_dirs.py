@@ -11,7 +11,7 @@ checkpoint.committed_steps, latest_step, latest_healthy_step and read_metadata
 are these functions.
 """
 
-import os
+import json
 import re
 import secrets
 from typing import Any
@@ -24,6 +24,7 @@ from chunk_store import CorruptCheckpointError
 import storage
 
 COMMIT = 'COMMIT'
+HEALTH = 'HEALTH'  # a step's verdict, written after its commit (write_verdict)
 STEP_RE = re.compile(r'^step_(\d+)$')
 
 
@@ -34,20 +35,13 @@ def step_dir(directory: str, step: int) -> str:
 def staging(directory: str, step: int) -> str:
   """Where a save of `step` writes before its commit: a tmp.* directory renamed into
   place on a filesystem; the final prefix itself in a bucket, which has no rename."""
-  if storage.is_object_store(directory):
-    return step_dir(directory, step)
-  return storage.join(directory, f'tmp.step_{step}.{secrets.token_hex(4)}')
+  return storage.staging(step_dir(directory, step), secrets.token_hex(4))
 
 
 def commit(directory: str, staged: str, step: int, info_text: str, fsync: bool) -> None:
   """Writes metadata.json into a staged save, moves it into place, writes COMMIT last."""
   chunk_store.write_durable(storage.join(staged, chunk_store.METADATA), info_text, fsync)
-  final = step_dir(directory, step)
-  if staged != final:
-    os.rename(staged, final)
-    storage.fsync_dir(directory, fsync)
-  chunk_store.write_durable(storage.join(final, COMMIT), '', fsync)
-  storage.fsync_dir(final, fsync)
+  storage.commit(staged, step_dir(directory, step), COMMIT, fsync)
 
 
 def discard(staged: str) -> None:
@@ -63,14 +57,9 @@ def has_commit(step_dir: str) -> bool:
   """
   marker = storage.join(step_dir, COMMIT)
   try:
-    if storage.is_url(marker):
-      return storage.exists(marker)
-    os.stat(marker)
-  except (FileNotFoundError, NotADirectoryError):
-    return False
+    return storage.exists(marker)
   except OSError as e:
     raise chunk_store.read_error(marker, step_dir, e) from e
-  return True
 
 
 def committed_steps(directory: str) -> list[int]:
@@ -94,8 +83,11 @@ def latest_step(directory: str) -> int | None:
 
 
 def latest_healthy_step(directory: str) -> int | None:
-  """The newest committed step saved with healthy=True, or None when there is none.
+  """The newest committed step judged healthy, or None when there is none.
 
+  A step's HEALTH verdict (write_verdict) decides when it has one; else the
+  flag it was saved with: True or False, or None for a save whose verdict waits
+  for the next step (train.py), which does not count until it is judged.
   Checkpoints written before the flag existed count as healthy. One whose
   metadata is damaged is skipped: it cannot be resumed from.
   """
@@ -105,9 +97,31 @@ def latest_healthy_step(directory: str) -> int | None:
       info = chunk_store.read_info(step_dir(directory, step))
     except CorruptCheckpointError:
       continue
-    if info.get('healthy', True):
+    verdict = read_verdict(directory, step)
+    if info.get('healthy', True) if verdict is None else verdict:
       return step
   return None
+
+
+def write_verdict(directory: str, step: int, healthy: bool, judged_by: int,
+                  fsync: bool = True) -> None:
+  """Records committed step `step`'s health, judged by the step after it (`judged_by`),
+  whose loss is the first computed from its params: one small file, replaced whole."""
+  storage.write_atomic(storage.join(step_dir(directory, step), HEALTH),
+                       json.dumps({'healthy': bool(healthy), 'judged_by_step': judged_by}),
+                       fsync=fsync)
+
+
+def read_verdict(directory: str, step: int) -> bool | None:
+  """Step `step`'s HEALTH verdict; None when it has none. One that does not parse (a
+  hand-edited file) is not healthy: the verdict is only trusted when it says so."""
+  text = storage.read_text(storage.join(step_dir(directory, step), HEALTH))
+  if text is None:
+    return None
+  try:
+    return json.loads(text)['healthy'] is True
+  except (ValueError, KeyError, TypeError):
+    return False
 
 
 def tidy(directory: str, fsync: bool) -> None:
@@ -128,7 +142,7 @@ def tidy(directory: str, fsync: bool) -> None:
   """
   for name in storage.listdir(directory):
     path = storage.join(directory, name)
-    if not storage.is_url(path) and not os.path.isdir(path):
+    if not (name.startswith('tmp.step_') or STEP_RE.match(name)) or not storage.isdir(path):
       continue
     if name.startswith('tmp.step_'):
       logging.warning('Removing partial checkpoint %s (left by a crashed save).', path)
@@ -146,20 +160,15 @@ def _recommit_or_remove(path: str, fsync: bool) -> None:
     return
   logging.warning('Checkpoint %s has no %s marker but every file verifies against its '
                   'checksums (only the marker was lost); re-committing it.', path, COMMIT)
-  chunk_store.write_durable(storage.join(path, COMMIT), '', fsync)
-  storage.fsync_dir(path, fsync)
+  storage.commit(path, path, COMMIT, fsync)
 
 
 def delete_step(directory: str, step: int) -> None:
   # A filesystem renames first, so a crash mid-delete leaves a tmp.* leftover rather
   # than a COMMIT-marked step with missing chunks; a bucket deletes COMMIT first, then
   # metadata.json (so tidy cannot re-commit the rest), then the chunks.
-  if storage.is_url(directory):
-    discard(step_dir(directory, step))
-    return
-  doomed = storage.join(directory, f'tmp.step_{step}.deleted.{secrets.token_hex(4)}')
-  os.rename(step_dir(directory, step), doomed)
-  storage.delete_tree(doomed)
+  storage.retire(step_dir(directory, step), secrets.token_hex(4),
+                 first=(COMMIT, chunk_store.METADATA))
 
 
 def set_aside(directory: str, name: str, new_name: str) -> None:

@@ -54,6 +54,7 @@ import uuid
 from typing import Any
 
 import tensorstore as ts
+from absl import logging
 
 import errors
 
@@ -81,34 +82,85 @@ def is_object_store(location: str) -> bool:
   return scheme(location) in OBJECT_SCHEMES
 
 
-def check(location: str, what: str = '--workdir', writable: bool = True) -> str:
-  """`location` if this project can use it (a path, or a URL of a known scheme), else a
-  ConfigError in one line. Local paths are returned as given (absolute paths resolve later)."""
-  location = os.fspath(location)
-  if not location:
-    raise errors.ConfigError(f'{what} is empty; give a directory or a gs:// or s3:// URL.')
-  s = scheme(location)
+# --- What a user typed -> one canonical location -------------------------------------------
+
+# Bucket names each store accepts (GCS: 3-63 characters, or up to 222 in dotted parts; S3:
+# 3-63), lower case: a name the store would reject is refused here, in one line.
+_BUCKET_RE = {'gs': re.compile(r'^[a-z0-9][a-z0-9_.-]{1,220}[a-z0-9]$'),
+              's3': re.compile(r'^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$')}
+# 'gs//b/x', 's3:/b', 'gs:b': a scheme the shell or a typo mangled; never a local folder.
+_MANGLED_RE = re.compile(r'^(gs|s3|gcs|https?)(:/?(?!/)|//)', re.IGNORECASE)
+
+
+def canonical(text: str, what: str = '--workdir', *, writes: bool = True,
+              local_only: bool = False) -> str:
+  """The one canonical form of a location a user typed (a flag or config field), or a
+  ConfigError in one line (exit 2) before any work.
+
+  A URL becomes scheme://bucket/key: the scheme lower-cased, no trailing slash, and a
+  doubled slash or a '.'/'..' segment inside the key refused (an empty shell variable
+  in `gs://b/$RUN/x` must not name another run). A path is expanded (~) and normalised
+  (os.path.normpath: no doubled or trailing slash), so two spellings of one place are
+  one run, one data cache and one lock. `writes`: the tool writes there (http(s)://
+  is read-only). `local_only`: the tool needs a local path (HF and OLMo-core folders,
+  memory-mapped caches); a URL is refused with the copy command to use.
+  """
+  text = os.fspath(text) if text is not None else ''
+  if not text.strip():
+    raise errors.ConfigError(f'{what} is empty; give a local path or a gs:// or s3:// URL.')
+  s = scheme(text)
   if not s:
-    if ':' in location.split('/', 1)[0]:  # 'gs:' as a folder name is a URL gone wrong
+    if _MANGLED_RE.match(text) or ':' in text.split('/', 1)[0]:
       raise errors.ConfigError(
-          f'{what}={location!r} looks like a URL with a malformed scheme; write '
-          'gs://BUCKET/PATH or s3://BUCKET/PATH (two slashes), or a local path.')
-    return location
-  known = OBJECT_SCHEMES + (READ_SCHEMES if not writable else ())
-  m = _URL_RE.match(location)
-  if s not in known or not m.group(2) or not m.group(3).split('/')[0]:
-    kinds = 'gs://BUCKET/PATH or s3://BUCKET/PATH' + (
-        '' if writable else ' (or http(s)://HOST/PATH to read)')
+          f'{what}={text!r} looks like a URL with a malformed scheme; write gs://BUCKET/PATH '
+          'or s3://BUCKET/PATH (a colon and two slashes), or a local path.')
+    return os.path.normpath(os.path.expanduser(text))
+  if local_only:
     raise errors.ConfigError(
-        f'{what}={location!r}: unknown or malformed URL; this project reads and '
-        f'writes {kinds}, or a local or shared filesystem path.')
-  return location
+        f'{what}={text!r} is a URL, but this is read and written on a local path; copy it '
+        'down or up with `gcloud storage cp -r` / `aws s3 cp --recursive`.')
+  known = OBJECT_SCHEMES + (() if writes else READ_SCHEMES)
+  m = _URL_RE.match(text)
+  kinds = 'gs://BUCKET/PATH or s3://BUCKET/PATH' + ('' if writes else ' (or http(s)://HOST/PATH)')
+  if s not in known or not m.group(2) or not m.group(3).split('/')[0]:
+    reads_only = s in READ_SCHEMES and writes
+    raise errors.ConfigError(
+        f'{what}={text!r}: ' + ('http(s):// is read-only; write to ' if reads_only else
+                               'unknown or malformed URL; use ') + f'{kinds}, or a local path.')
+  bucket, _, key = m.group(3).partition('/')
+  key = key.rstrip('/')
+  parts = key.split('/') if key else []
+  if any(p in ('', '.', '..') for p in parts):
+    raise errors.ConfigError(
+        f'{what}={text!r} has an empty, "." or ".." part in its path (an unset shell '
+        'variable?); a bucket has no such folders: write the full path, e.g. '
+        f'{s}://{bucket}/{"/".join(p for p in parts if p not in ("", ".", ".."))}.')
+  if s in _BUCKET_RE and not _BUCKET_RE[s].match(bucket):
+    raise errors.ConfigError(
+        f'{what}={text!r}: {bucket!r} is not a valid {describe(text)} bucket name (3-63 '
+        'lower-case letters, digits, dots or dashes, starting and ending with a letter or '
+        'digit).')
+  return f'{s}://{bucket}' + (f'/{key}' if key else '')
+
+
+def check(location: str, what: str = '--workdir', writable: bool = True) -> str:
+  """canonical(), under the name older callers use."""
+  return canonical(location, what, writes=writable)
 
 
 def join(location: str, *parts: str) -> str:
   if not is_url(location):
     return os.path.join(location, *parts)
   return '/'.join([location.rstrip('/'), *(p.strip('/') for p in parts if p)])
+
+
+def resolve(base: str, path: str) -> str:
+  """`path` as it is when it is a URL or an absolute path (or `base` is empty), else under
+  `base` (a folder or prefix): how a mix's relative entries are found (OLMo-core's
+  f'{base_dir}/{path}')."""
+  if is_url(path) or os.path.isabs(path) or not base:
+    return path
+  return join(base, path)
 
 
 def parent(location: str) -> str:
@@ -128,33 +180,90 @@ def absolute(location: str) -> str:
   return location.rstrip('/') if is_url(location) else os.path.abspath(location)
 
 
+def identity(location: str) -> str:
+  """What names one place whatever its spelling: a URL's canonical form, a path's real
+  path (symlinks resolved). For cache keys and 'is this the same file' checks."""
+  if not is_url(location):
+    return os.path.realpath(location)
+  try:
+    return canonical(location, writes=False)
+  except errors.ConfigError:  # not ours to refuse here: a caller checked what it accepts
+    return location.rstrip('/')
+
+
 def local_cache_dir(location: str, name: str) -> str:
   """A local folder for `location`'s caches: `location`/`name` on a filesystem; for a
   bucket, one per URL under $XDG_CACHE_HOME (~/.cache)/olmo3_jax (memory-mapped caches
-  must be local files, and every host keeps its own)."""
+  must be local files, and every host keeps its own). Spellings of one bucket location
+  share one folder."""
   if not is_url(location):
     return os.path.join(location, name)
+  return os.path.join(cache_root(), _cache_tag(identity(location)), name)
+
+
+def cache_root() -> str:
+  """$XDG_CACHE_HOME (~/.cache)/olmo3_jax: this host's caches of remote things."""
   root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
-  tag = re.sub(r'[^A-Za-z0-9_.-]+', '_', location.rstrip('/'))[-80:]
-  digest = hashlib.sha256(location.encode()).hexdigest()[:8]
-  return os.path.join(root, 'olmo3_jax', f'{tag}.{digest}', name)
+  return os.path.join(root, 'olmo3_jax')
+
+
+def _cache_tag(url: str) -> str:
+  tag = re.sub(r'[^A-Za-z0-9_.-]+', '_', url)[-80:]
+  return f'{tag}.{hashlib.sha256(url.encode()).hexdigest()[:8]}'
+
+
+def local_view(location: str) -> str:
+  """A local path holding `location`'s current bytes, for libraries that open only local
+  files (a tokenizer.json in a bucket). A path is returned as it is. A URL is copied
+  into this host's cache with the object's generation (GCS) or ETag (S3) beside it, and
+  every call asks the store whether the object changed since (one conditional read that
+  transfers nothing when it did not): a replaced object is fetched again, and nothing
+  stale is ever returned. A missing file or object raises FileNotFoundError.""" 
+  location = os.fspath(location)
+  if not is_url(location):
+    if not os.path.isfile(location):
+      raise (IsADirectoryError if os.path.isdir(location) else FileNotFoundError)(
+          f'{location} is not a file.')
+    return location
+  url = identity(location)
+  folder = os.path.join(cache_root(), 'files', _cache_tag(url))
+  path, stamp_file = os.path.join(folder, basename(url)), os.path.join(folder, 'generation')
+  cached = None
+  if os.path.isfile(path) and os.path.isfile(stamp_file):
+    with open(stamp_file, 'rb') as f:
+      cached = f.read()
+  store, key = kvstore(url)
+  try:
+    r = store.read(key, if_not_equal=cached).result() if cached else store.read(key).result()
+  except ValueError as e:
+    raise _failed('reading', url, e) from e
+  if r.state == 'missing':
+    raise FileNotFoundError(f'{url} does not exist.')
+  if r.state == 'value':  # new, or changed since it was cached
+    os.makedirs(folder, exist_ok=True)
+    write_atomic(path, r.value, fsync=False)
+    write_atomic(stamp_file, r.stamp.generation, fsync=False)
+  return path
 
 
 def local_file(location: str) -> str:
-  """A local path holding `location`'s bytes: a path as it is; a URL downloaded once into
-  the local cache (a tokenizer file named by a mix in a bucket, for libraries that open
-  only local files). Raises FileNotFoundError when it does not exist."""
-  location = os.fspath(location)
-  if not is_url(location):
-    return location
-  path = os.path.join(local_cache_dir(parent(location), 'files'), basename(location))
-  if not os.path.isfile(path):
-    data = read(location)
-    if data is None:
-      raise FileNotFoundError(f'{location} does not exist.')
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, data, fsync=False)
-  return path
+  """local_view(), under the name older callers use."""
+  return local_view(location)
+
+
+def unwritable(location: str) -> str | None:
+  """Why a file cannot be written at `location`, checked before hours of work, or None. A
+  path: its nearest existing folder must be a writable folder (the rest is created on
+  write). A bucket: None (the write itself is the check; a dry write would cost a request
+  and could not prove the later one)."""
+  if is_url(location):
+    return None
+  existing = os.path.dirname(os.path.abspath(location))
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+    return f'{existing} is not a writable folder'
+  return None
 
 
 def describe(location: str) -> str:
@@ -222,6 +331,12 @@ def kvstore_spec(location: str) -> dict[str, Any]:
   region = os.environ.get('AWS_REGION') or os.environ.get('AWS_DEFAULT_REGION')
   if region:
     spec['aws_region'] = region
+  if (os.environ.get('AWS_ACCESS_KEY_ID') and os.environ.get('AWS_SECRET_ACCESS_KEY')
+      and not os.environ.get('AWS_PROFILE')):
+    # Keys in the environment: only that provider. The default chain would also try
+    # ~/.aws/config and ~/.aws/credentials and log an error line for each that is absent,
+    # at every start, about files the keys make unnecessary.
+    spec['aws_credentials'] = {'type': 'environment'}
   return spec
 
 
@@ -239,15 +354,125 @@ def kvstore(location: str) -> tuple[ts.KvStore, str]:
   (remote_tokens.py reads a batch's byte ranges this way)."""
   spec = kvstore_spec(location)
   key = spec.pop('path')
-  return _open(json.dumps(spec, sort_keys=True), os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
+  try:
+    return _open(json.dumps(spec, sort_keys=True),
+                 os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
+  except ValueError as e:  # the driver refuses the spec: a bucket name the store rejects
+    if spec['driver'] in ('gcs', 's3'):
+      raise StorageConfigError(
+          f'{describe(location)} rejects {location}: {" ".join(str(e).split())}. Correct the '
+          'bucket name (GCS: 3-63 lowercase letters, digits, "-", "_" and "."; S3: 3-63 '
+          'lowercase letters, digits, "-" and ".").', _store_of(location)) from e
+    raise
 
 
 class StorageError(OSError):
-  """The storage refused or failed an operation (after the client's retries)."""
+  """The storage failed an operation after the client's retries: a rerun may succeed
+  (EXIT_CRASH, which scripts/launch.py restarts). `failed_store` ('gs://BUCKET',
+  's3://BUCKET', '' when unknown) is the store that failed: errors.one_line does not
+  append the stack to a log kept there, which would wait out the same failure again."""
+
+  def __init__(self, message: str, failed_store: str = ''):
+    super().__init__(message)
+    self.failed_store = failed_store
+
+
+class StorageConfigError(errors.UserError, StorageError):
+  """The store refused a request for a reason a rerun repeats: the bucket does not exist,
+  its name is invalid, or the credentials may not use it (EXIT_USAGE, not restarted)."""
+
+
+# tensorstore's status codes (its error's first word) by the fault they mean.
+_DENIED = ('PERMISSION_DENIED', 'UNAUTHENTICATED')
+_DENIED_HTTP = ("http_response_code='401'", "http_response_code='403'")
+_WAIT_NOTICE_SECONDS = 10.0  # the first "still waiting" line; each next after twice as long
+
+
+def retry_budget_seconds() -> float:
+  """The longest the client's backoff between attempts of one request adds up to
+  (OLMO_STORAGE_RETRIES, 0.5 s doubling to 32 s: 95.5 s for the default 8 retries)."""
+  return sum(min(32.0, 0.5 * 2 ** k) for k in range(_env_int('OLMO_STORAGE_RETRIES', 8)))
+
+
+def credentials_hint(location: str) -> str:
+  """Where each store takes its credentials from, for an access-denied message."""
+  s = scheme(location)
+  if s == 'gs':
+    return ('give Google credentials that may use the bucket (GOOGLE_APPLICATION_CREDENTIALS='
+            'key.json, `gcloud auth application-default login`, or a VM service account)')
+  if s == 's3':
+    return ('give AWS credentials that may use the bucket (AWS_ACCESS_KEY_ID and '
+            'AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), and AWS_REGION / AWS_ENDPOINT_URL for a '
+            'non-AWS store')
+  return 'check the URL, or that the server lets this machine read it'
+
+
+def endpoint(location: str) -> str:
+  """The server a URL's requests go to, and the variable that sets it, in words."""
+  s = scheme(location)
+  if s == 'gs':
+    url = os.environ.get('TENSORSTORE_GCS_HTTP_URL')
+    return (f'{url} ($TENSORSTORE_GCS_HTTP_URL)' if url else
+            'https://storage.googleapis.com (set $TENSORSTORE_GCS_HTTP_URL for an emulator)')
+  if s == 's3':
+    for name in ('AWS_ENDPOINT_URL_S3', 'AWS_ENDPOINT_URL'):
+      if os.environ.get(name):
+        return f'{os.environ[name]} (${name})'
+    return 'AWS S3 (set $AWS_ENDPOINT_URL for another S3 service)'
+  return location
+
+
+def _store_of(location: str) -> str:
+  """'gs://BUCKET' / 's3://BUCKET' of a bucket URL, else ''."""
+  if scheme(location) not in OBJECT_SCHEMES:
+    return ''
+  return f'{scheme(location)}://{bucket_and_key(location)[0]}'
 
 
 def _failed(op: str, location: str, e: Exception) -> StorageError:
-  return StorageError(f'{op} {location} failed on {describe(location)}: {e}')
+  """The error for `op` on `location` failing with tensorstore's `e`, by its class: a bucket
+  that does not exist, a bucket name the store rejects, or access denied -> a
+  StorageConfigError (EXIT_USAGE); anything else (unreachable, 5xx after the retries) a
+  StorageError (EXIT_CRASH: restarted)."""
+  # The status and the store's message; a server's HTML or XML body adds only noise.
+  text = re.sub(r" ?\[http_response_body='.*?'\](?= \[|$)", '', ' '.join(str(e).split()))
+  short = text if len(text) <= 300 else text[:300] + '...'
+  code = text.split(':', 1)[0]
+  where, store = describe(location), _store_of(location)
+  bucket = bucket_and_key(location)[0] if store else ''
+  if store and (code == 'NOT_FOUND' or 'NoSuchBucket' in text):
+    # A key that does not exist is an answer, not an error: only the bucket is left.
+    return StorageConfigError(
+        f'the bucket {bucket!r} does not exist on {where} ({op} {location} answered '
+        f'{short}). Create it, or correct the bucket name in the URL; requests went to '
+        f'{endpoint(location)}.', store)
+  if code in _DENIED or any(h in text for h in _DENIED_HTTP):
+    return StorageConfigError(
+        f'{where} denied {op} {location} ({short}); {credentials_hint(location)}.', store)
+  if store and code == 'INVALID_ARGUMENT' and 'bucket' in text.lower():
+    return StorageConfigError(
+        f'{where} rejects the bucket name {bucket!r} ({op} {location}: {short}); correct '
+        'the bucket name in the URL.', store)
+  return StorageError(
+      f'{op} {location} failed on {where} after the client\'s retries ({short}); requests '
+      f'went to {endpoint(location)}. A rerun may succeed once the store answers.', store)
+
+
+def _result(future: Any, op: str, location: str) -> Any:
+  """`future.result()`, saying on stderr what is waited for while the client retries (a
+  store that does not answer is retried for up to retry_budget_seconds() per request)."""
+  start, notice = time.monotonic(), _WAIT_NOTICE_SECONDS
+  while True:
+    try:
+      return future.result(timeout=max(0.0, start + notice - time.monotonic()))
+    except TimeoutError:
+      if future.done():  # the operation's own error, not the wait's
+        raise
+      logging.warning('Still %s %s on %s after %.0f s: the client retries a failing request '
+                      'for up to %.0f s (OLMO_STORAGE_RETRIES), then this run stops; requests '
+                      'go to %s.', op, location, describe(location), time.monotonic() - start,
+                      retry_budget_seconds(), endpoint(location))
+      notice *= 2
 
 
 # --- Whole objects ----------------------------------------------------------------------
@@ -268,7 +493,7 @@ def read_versioned(location: str) -> tuple[bytes | None, bytes]:
   """(contents or None, generation): the generation to pass to write(if_generation=)."""
   store, key = kvstore(location)
   try:
-    r = store.read(key).result()
+    r = _result(store.read(key), 'reading', location)
   except ValueError as e:
     raise _failed('reading', location, e) from e
   return (r.value if r.state == 'value' else None), r.stamp.generation
@@ -287,7 +512,7 @@ def read_range(location: str, start: int, stop: int) -> bytes:
       return f.read(stop - start)
   store, key = kvstore(location)
   try:
-    r = store.read(key, byte_range=slice(start, stop)).result()
+    r = _result(store.read(key, byte_range=slice(start, stop)), 'reading', location)
   except ValueError as e:
     raise _failed(f'reading bytes [{start}, {stop}) of', location, e) from e
   if r.state != 'value':
@@ -345,8 +570,15 @@ def size(location: str) -> int | None:
 
 
 def exists(location: str) -> bool:
+  """Whether the file, directory or object exists. A filesystem that cannot tell (EACCES,
+  EIO) raises: os.path.exists would say False, and a committed checkpoint would then pass
+  for a crashed save."""
   if not is_url(location):
-    return os.path.exists(location)
+    try:
+      os.stat(location)
+    except (FileNotFoundError, NotADirectoryError):
+      return False
+    return True
   return read_versioned(location)[0] is not None
 
 
@@ -356,12 +588,27 @@ def write(location: str, data: bytes, if_generation: bytes | None = None) -> byt
   condition failed. Object stores only."""
   store, key = kvstore(location)
   try:
-    stamp = store.write(key, data, if_equal=if_generation).result()
+    stamp = _result(store.write(key, data, if_equal=if_generation), 'writing', location)
   except ValueError as e:
     if 'FAILED_PRECONDITION' in str(e) and if_generation is not None:
       return None
     raise _failed('writing', location, e) from e
+  if not stamp.generation and if_generation == MISSING:
+    _refused_create(store, key, location)
   return stamp.generation or None  # tensorstore answers an empty generation on a failed condition
+
+
+def _refused_create(store: ts.KvStore, key: str, location: str) -> None:
+  """Raises the store's own error when a create-if-absent was refused but nothing is there:
+  tensorstore reports S3's answer to a PUT into a missing bucket (404 NoSuchBucket) as a
+  failed condition, which would read as "another writer won" forever. A listing of the key
+  asks the bucket itself."""
+  if read_versioned(location)[0] is not None:
+    return  # another writer's object: the condition did fail
+  try:
+    _result(store.list(ts.KvStore.KeyRange(key, key + '\0')), 'writing', location)
+  except ValueError as e:
+    raise _failed('writing', location, e) from e
 
 
 def write_atomic(location: str, data: bytes | str, fsync: bool = True) -> None:
@@ -419,6 +666,94 @@ def fsync_dir(path: str, fsync: bool = True) -> None:
       os.close(fd)
 
 
+# --- Commits: a rename on a filesystem, a marker in a bucket --------------------------------
+#
+# A directory that must appear whole (a checkpoint step) is built where `staging` says and
+# made visible by `commit`: on a filesystem it is built under a temporary sibling name and
+# renamed into place; an object store has no rename, so it is written under its final name
+# and the caller's marker object, written last by `commit`, is what readers look for.
+# Callers write one code path; the strategy is chosen here, by the location.
+
+
+# What a store can do. A module that keeps two implementations of one operation (a
+# metrics log, an event file, the workdir lock, token reads) asks for the capability, never
+# for the scheme: tests/test_seam.py holds every such caller to a list with its reason.
+
+
+def renames(location: str) -> bool:
+  """Whether `location`'s store renames directories atomically (a filesystem does; a
+  bucket does not)."""
+  return not is_url(location)
+
+
+def appends(location: str) -> bool:
+  """Whether a file at `location` can be appended to in place (a filesystem; an object is
+  written whole, so a bucket log is one object per flush)."""
+  return not is_url(location)
+
+
+def maps(location: str) -> bool:
+  """Whether `location` can be memory-mapped (a local or shared file; a URL is read by
+  byte range)."""
+  return not is_url(location)
+
+
+def locks(location: str) -> bool:
+  """Whether the store has advisory file locks (flock on a filesystem; a bucket's lock is a
+  lease: a conditional create, renewed)."""
+  return not is_url(location)
+
+
+def staging(final: str, tag: str) -> str:
+  """Where to build the directory `final` before `commit`: the sibling tmp.<name>.<tag> on a
+  filesystem, `final` itself in a bucket."""
+  if not renames(final):
+    return final
+  return join(parent(final), f'tmp.{basename(final)}.{tag}')
+
+
+def commit(staged: str, final: str, marker: str, fsync: bool = True) -> None:
+  """Makes the directory built in `staged` visible as `final`: renamed into place (a
+  filesystem), then the empty object `marker` written inside it, last."""
+  if staged != final:
+    os.rename(staged, final)
+    fsync_dir(parent(final), fsync)
+  write_atomic(join(final, marker), b'', fsync)
+  fsync_dir(final, fsync)
+
+
+def retire(location: str, tag: str, first: tuple[str, ...] = ()) -> None:
+  """Deletes a committed directory so that a crash part-way never leaves what looks like a
+  whole one: renamed to tmp.<name>.deleted.<tag> first on a filesystem; in a bucket the
+  `first` objects (its marker) are deleted before the rest."""
+  if renames(location):
+    doomed = join(parent(location), f'tmp.{basename(location)}.deleted.{tag}')
+    os.rename(location, doomed)
+    location = doomed
+  delete_tree(location, first=first)
+
+
+def copy_file(src: str, dst: str) -> None:
+  """Copies one file or object (either may be in a bucket); FileNotFoundError if `src` is
+  gone."""
+  if renames(src) and renames(dst):
+    shutil.copyfile(src, dst)
+    return
+  data = read(src)
+  if data is None:
+    raise FileNotFoundError(f'{src} does not exist.')
+  write_atomic(dst, data)
+
+
+def fingerprint(location: str) -> str:
+  """What names a file's current version, for cache keys: a path's real path and mtime; a
+  URL's canonical form alone (no request per file at start-up: a token file is replaced
+  under a new name, and a changed size is caught by the data-change check)."""
+  if not is_url(location):
+    return f'{os.path.realpath(location)},{os.stat(location).st_mtime_ns}'
+  return identity(location)
+
+
 # --- Directories (prefixes) -------------------------------------------------------------
 
 
@@ -432,12 +767,25 @@ def _prefix(location: str) -> str:
   return location.rstrip('/') + '/'
 
 
+def _under(key: str) -> ts.KvStore.KeyRange:
+  """Every key under the prefix `key` ('dir/'; '' is the bucket's root: everything)."""
+  return ts.KvStore.KeyRange(key, key[:-1] + '0') if key else ts.KvStore.KeyRange('', '')
+
+
 def list_keys(location: str) -> list[str]:
-  """Every key under the prefix `location`/, relative to it, sorted (object stores)."""
+  """Every file or object under the directory or prefix `location`, at any depth, as a
+  '/'-separated path relative to it, sorted ([] when there is none)."""
+  if not is_url(location):
+    found = []
+    for root, _, names in os.walk(location):
+      rel = os.path.relpath(root, location)
+      found += [name if rel == '.' else f'{rel}/{name}'.replace(os.sep, '/') for name in names]
+    return sorted(found)
   store, key = kvstore(_prefix(location))
   try:
-    keys = store.list(ts.KvStore.KeyRange(key, key[:-1] + '0'),
-                      strip_prefix_length=len(key)).result()
+    keys = store.list(_under(key),
+                      strip_prefix_length=len(key))
+    keys = _result(keys, 'listing', location)
   except ValueError as e:
     raise _failed('listing', location, e) from e
   return sorted(k.decode() for k in keys)
@@ -474,7 +822,7 @@ def delete(location: str) -> None:
     return
   store, key = kvstore(location)
   try:
-    store.write(key, None).result()
+    _result(store.write(key, None), 'deleting', location)
   except ValueError as e:
     raise _failed('deleting', location, e) from e
 
@@ -493,7 +841,7 @@ def delete_tree(location: str, first: tuple[str, ...] = ()) -> None:
     delete(join(location, name))
   store, key = kvstore(_prefix(location))
   try:
-    store.delete_range(ts.KvStore.KeyRange(key, key[:-1] + '0')).result()
+    _result(store.delete_range(_under(key)), 'deleting', location)
   except ValueError as e:
     raise _failed('deleting', location, e) from e
 
@@ -519,3 +867,90 @@ def rename_tree(src: str, dst: str, last: tuple[str, ...] = (),
     if k in keys:
       copy(k)
   delete_tree(src, first=first_deleted)
+
+
+# --- Tools' inputs and outputs ------------------------------------------------------------
+
+_WILDCARD_RE = re.compile(r'[*?[]')
+_UPLOAD_THREADS = 4  # upload_tree's parallel uploads: each holds one whole file in memory
+
+
+def glob(pattern: str) -> list[str]:
+  """The files a glob names, sorted. A path goes through the glob module (folders left
+  out). A URL (`gs://b/dir/*.jsonl`) is matched segment by segment against the keys under
+  its longest prefix without a wildcard, as the glob module matches a path: `*` stays
+  within one segment, and a name starting with '.' matches only a segment that does. A
+  URL without a wildcard names itself when that object exists. An http(s):// server
+  cannot be listed, so a wildcard there is refused in one line."""
+  import fnmatch  # pylint: disable=import-outside-toplevel  (this section's own needs)
+  import glob as globlib  # pylint: disable=import-outside-toplevel  (this name hides it)
+  if not is_url(pattern):
+    return sorted(m for m in globlib.glob(pattern) if os.path.isfile(m))
+  parts = pattern.rstrip('/').split('/')  # ['gs:', '', bucket, key parts...]
+  first = next((i for i in range(3, len(parts)) if _WILDCARD_RE.search(parts[i])), None)
+  if first is None:
+    return [pattern] if exists(pattern) else []
+  if not is_object_store(pattern):
+    raise errors.ConfigError(f'{pattern!r}: an {describe(pattern)} server cannot be listed, '
+                             'so it takes no wildcard; name each file.')
+  root, wanted = '/'.join(parts[:first]), parts[first:]
+
+  def matches(key: str) -> bool:
+    names = key.split('/')
+    return len(names) == len(wanted) and all(
+        fnmatch.fnmatchcase(n, w) and (w.startswith('.') or not n.startswith('.'))
+        for n, w in zip(names, wanted))
+  return [join(root, k) for k in list_keys(root) if matches(k)]
+
+
+def upload_tree(local_dir: str, location: str, last: tuple[str, ...] = (),
+                replaces: tuple[str, ...] = ()) -> list[str]:
+  """Copies every file under `local_dir` to `location`/<its relative path>; their names.
+
+  `last`: files copied after all the others (an index naming them, such as a mix), and
+  deleted at `location` before the copy starts, so no reader ever takes an old index for
+  new files. `replaces`: glob patterns of names directly in `location` that this output
+  supersedes; those it did not write are deleted at the end (an earlier, longer run's
+  shards). Works on a path too (each file written atomically).
+  """
+  import fnmatch  # pylint: disable=import-outside-toplevel
+  names = sorted(os.path.relpath(os.path.join(d, f), local_dir).replace(os.sep, '/')
+                 for d, _, files in os.walk(local_dir) for f in files)
+  for name in last:
+    delete(join(location, name))
+
+  def copy(name: str) -> None:
+    makedirs(parent(join(location, name)))
+    with open(os.path.join(local_dir, name), 'rb') as f:
+      write_atomic(join(location, name), f.read(), fsync=False)
+  with concurrent.futures.ThreadPoolExecutor(_UPLOAD_THREADS) as pool:
+    list(pool.map(copy, [n for n in names if n not in last]))
+  for name in last:
+    if name in names:
+      copy(name)
+  for name in listdir(location) if replaces else []:
+    if name not in names and any(fnmatch.fnmatchcase(name, p) for p in replaces):
+      delete(join(location, name))
+  return names
+
+
+def staged_output(location: str, last: tuple[str, ...] = (), replaces: tuple[str, ...] = ()):
+  """A context manager giving the local folder a tool writes its output files into.
+
+  For a path: the path itself (the tool keeps its own atomic publish there). For a
+  bucket URL: a fresh temporary folder, whose files are copied into the bucket with
+  upload_tree(`last`, `replaces`) once the block ends without an error, and which is
+  removed in every case: a failed run writes nothing into the bucket.
+  """
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+
+  @contextlib.contextmanager
+  def staged():
+    if not is_url(location):
+      yield location
+      return
+    with tempfile.TemporaryDirectory(prefix='olmo3_upload.') as tmp:
+      yield tmp
+      upload_tree(tmp, location, last, replaces)
+  return staged()

@@ -86,8 +86,7 @@ def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
     if len(fields) == 3 and not fields[2].isdigit():
       raise DataError(f'{mix_file}:{line_no}: size {fields[2]!r} is not a byte count')
     path = fields[1].replace('{TOKENIZER}', tokenizer_id)
-    if base_dir and '://' not in path and not os.path.isabs(path):
-      path = base_dir.rstrip('/') + '/' + path  # OLMo-core DataMix.build: f'{base_dir}/{path}'
+    path = storage.resolve(base_dir, path)  # OLMo-core DataMix.build: f'{base_dir}/{path}'
     paths.append(remap_path(path, path_remap))
     labels.append(fields[0])
     sizes.append(int(fields[2]) if len(fields) == 3 else None)
@@ -98,25 +97,20 @@ def read_mix(mix_file: str, *, base_dir: str = '', tokenizer_id: str = '',
 
 def mix_text(mix_file: str) -> str:
   """A mix file's text (a local path or a URL); one line naming the fix when it is none."""
-  if storage.is_url(mix_file):
-    storage.check(mix_file, 'cfg.data.mix_file', writable=False)
-    try:
-      raw = storage.read(mix_file)
-    except storage.StorageError as e:
-      raise remote_tokens.error(mix_file, e, 'the mix file') from e
-  elif os.path.isdir(mix_file):
-    mixes = sorted(n for n in os.listdir(mix_file) if n.endswith('.txt'))
-    hint = f' (here: {os.path.join(mix_file, mixes[0])})' if mixes else ''
+  mix_file = storage.canonical(mix_file, 'cfg.data.mix_file', writes=False)
+  try:
+    raw = storage.read(mix_file)
+  except IsADirectoryError:
+    raw = None
+  except storage.StorageError as e:
+    raise remote_tokens.error(mix_file, e, 'the mix file') from e
+  if raw is None and storage.isdir(mix_file):
+    mixes = [n for n in storage.listdir(mix_file) if n.endswith('.txt')]
+    hint = f' (here: {storage.join(mix_file, mixes[0])})' if mixes else ''
     raise DataError(f'mix file {mix_file!r} is a folder; set cfg.data.mix_file to the mix file '
                     f'in it{hint}, a text file of `label,path` lines (scripts/prepare_data.py '
                     'writes one beside its token files), or name the token files instead: '
                     '--config.data.mix_file= --config.data.paths=\'("FILE", ...)\'.')
-  else:
-    try:
-      with open(mix_file, 'rb') as f:
-        raw = f.read()
-    except (FileNotFoundError, NotADirectoryError):
-      raw = None
   if raw is None:
     raise MissingDataError(f'mix file {mix_file!r} does not exist; set cfg.data.mix_file to a '
                            'file of `label,path` lines (like olmo_core/data/mixes/*.txt).')
@@ -140,9 +134,7 @@ def mix_base_dir(mix_file: str, base_dir: str = '') -> str:
 
 def _join(base_dir: str, mix_file: str, path: str) -> str:
   """A header's path: URLs and absolute paths as they are, else under mix_base_dir."""
-  if '://' in path or os.path.isabs(path):
-    return path
-  return storage.join(mix_base_dir(mix_file, base_dir), path)
+  return storage.resolve(mix_base_dir(mix_file, base_dir), path)
 
 
 MIX_HEADER_KEYS = ('tokenizer', 'validation')  # `# KEY {json}` lines of a mix file
@@ -230,8 +222,7 @@ def config_sources(cfg_data: Any, paths: Sequence[str] | None = None
                       '--config.data.paths=FILE[,FILE...] (uint32 token files); see '
                       'docs/data.md.')
     source = 'cfg.data.paths' if training else 'paths'
-    paths = [remap_path(p if ('://' in p or os.path.isabs(p) or not base_dir)
-                        else os.path.join(base_dir, p), remap)
+    paths = [remap_path(storage.resolve(base_dir, p), remap)
              for p in (cfg_data.paths if training else paths)]
   seed = cfg_data.source_permutation_seed
   if training and seed is not None:
@@ -244,6 +235,13 @@ def config_sources(cfg_data: Any, paths: Sequence[str] | None = None
 
 # ----------------------------------------------------------------------------
 # Files.
+
+
+def memory_mapped(path: str) -> bool:
+  """Whether a token file is memory-mapped (a local or shared path) rather than read by byte
+  range (a gs://, s3:// or http(s):// URL): the data path's one question about where
+  bytes live; every other access goes through storage.py."""
+  return storage.maps(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +273,7 @@ def inspect_files(paths: Sequence[str], labels: Sequence[str] | None = None,
     return inspect_file(paths[i], labels[i], listed_sizes[i], vocab_size, cache_dir=cache_dir,
                         sample=sample)
 
-  remote = [i for i, p in enumerate(paths) if storage.is_url(p)]
+  remote = [i for i, p in enumerate(paths) if not memory_mapped(p)]
   if not remote:
     return tuple(one(i) for i in range(len(paths)))
   start = time.time()
@@ -303,7 +301,7 @@ def inspect_file(path: str, label: str = '', listed_size: int | None = None,
   (skipped with sample=False). A gs://, s3:// or http(s):// path is read by byte
   range (remote_tokens.py; `cache_dir` keeps what it reads).
   """
-  if not storage.is_url(path):
+  if memory_mapped(path):
     file = _layout(path, label, listed_size)
     if sample:
       check_sample(file, vocab_size)
@@ -432,9 +430,10 @@ def _misreading(tokens: np.ndarray, vocab_size: int) -> str:
 
 
 def vocab_error(path: str, token: int, offset: int, vocab_size: int,
-                why: str = 'the file was made with another tokenizer or is corrupt') -> ValueError:
-  """The error for token id `token` >= vocab_size at token `offset` of `path`."""
-  return ValueError(f'{path}: token id {token} at token offset {offset} is >= vocab_size '
+                why: str = 'the file was made with another tokenizer or is corrupt') -> DataError:
+  """The error for token id `token` >= vocab_size at token `offset` of `path`: a data
+  mistake (EXIT_DATA, one line), whether the file is local or remote."""
+  return DataError(f'{path}: token id {token} at token offset {offset} is >= vocab_size '
                     f'{vocab_size}; {why}. Check cfg.data.vocab_size, or re-tokenize to uint32 '
                     'with scripts/prepare_data.py.')
 
@@ -508,9 +507,10 @@ def open_tokens(files: Sequence[TokenFile], cache_dir: str = '') -> Any:
   remote_tokens.RemoteTokens (the same interface; local files in it stay mapped) reading
   by byte range, caching in `cache_dir` (data.remote_cache_dir) when given."""
   maps = TokenMaps(files)
-  if not any(storage.is_url(f.path) for f in files):
+  mapped = [memory_mapped(f.path) for f in files]
+  if all(mapped):
     return maps
-  return remote_tokens.RemoteTokens(files, maps, cache_dir)
+  return remote_tokens.RemoteTokens(files, maps, cache_dir, remote=[not m for m in mapped])
 
 
 def check_tokens(maps: Any, vocab_size: int, chunk_tokens: int = 1 << 24) -> None:

@@ -11,18 +11,27 @@ only it writes metrics.jsonl. Install it with `pip install '.[wandb]'`.
 
 Resuming: the run's W&B id is kept in <workdir>/wandb_run_id (storage.py, so
 a bucket workdir keeps it too) and passed with resume='allow', so a resumed
-run continues the same W&B run. W&B keeps what the killed process logged past
-the last checkpoint, and ignores the resumed run's re-logging of those steps
-(a step below its latest); a resume is bit-exact, so they held the same values.
+run continues the same W&B run. W&B's service buffers what it logs (its local
+file is written in 32 KiB blocks) and dies with a killed process, so only a
+W&B run that finished holds all it was given. A finished run's last step goes
+into <workdir>/wandb_finished_step (with the run id); a resume at step S logs
+again, from metrics.jsonl, every record after that step up to S (replay, via
+metrics.MetricWriter), so W&B holds every record up to a committed checkpoint
+whatever killed the process. W&B keeps the first value it got for a step and
+ignores a later one (a step below its latest); a resume is bit-exact, so the
+two held the same values.
 
 Never in the way of training: wandb is imported, wandb.init runs (bounded by
 train.wandb.init_timeout) and every record is logged in a background thread,
 fed through a bounded queue. A full queue drops records (counted, reported at
 the end); a failed init or log warns once and the run goes on; close() waits
 at most FINISH_TIMEOUT seconds for W&B to finish. Nothing here raises into
-the loop. Local files go to <workdir>/wandb (WANDB_DIR wins; a bucket
-workdir's go under storage.local_cache_dir), so an offline run can be synced
-later with `wandb sync`.
+the loop. Local files go to <workdir>/wandb (WANDB_DIR/wandb if set; a bucket
+workdir's to <storage.local_cache_dir(workdir, '')>/wandb on process 0's host),
+so an offline run can be synced later with `wandb sync`.
+
+On when: train.wandb.project, else $WANDB_PROJECT (as W&B reads it). $WANDB_MODE
+without either turns nothing on, and the run says so.
 
 Comet is not wired in; docs/monitoring.md says how to add it beside W&B.
 """
@@ -44,10 +53,12 @@ import metrics
 import storage
 
 RUN_ID_FILE = 'wandb_run_id'  # <workdir>/wandb_run_id: the W&B run a resume continues
+FINISHED_FILE = 'wandb_finished_step'  # '<run id> <step>': W&B holds every record to step
 QUEUE_SIZE = 10_000  # records waiting for W&B; past it they are dropped (and counted)
 FINISH_TIMEOUT = 60.0  # seconds close() waits for wandb.finish (and an init still running)
 MODES = ('', 'online', 'offline', 'disabled')  # '' = WANDB_MODE, else W&B's default (online)
 _STOP = object()
+_REPLAY = object()  # a queue item (_REPLAY, start): log metrics.jsonl's records again
 
 
 def check_config(cfg_train: ml_collections.ConfigDict) -> None:
@@ -62,6 +73,15 @@ def check_config(cfg_train: ml_collections.ConfigDict) -> None:
   if w.project and '/' in w.project:
     raise ValueError(f'train.wandb.project={w.project!r} holds a "/"; put the team in '
                      '--config.train.wandb.entity and the project name alone in .project.')
+  if not w.project and '/' in os.environ.get('WANDB_PROJECT', ''):
+    raise ValueError(f"WANDB_PROJECT={os.environ['WANDB_PROJECT']!r} holds a \"/\"; put the "
+                     'team in WANDB_ENTITY (or --config.train.wandb.entity) and the project '
+                     'name alone in WANDB_PROJECT.')
+
+
+def project(cfg_train: ml_collections.ConfigDict) -> str:
+  """The W&B project this run logs to: train.wandb.project, else $WANDB_PROJECT; '' = off."""
+  return cfg_train.wandb.project or os.environ.get('WANDB_PROJECT', '')
 
 
 def run_id(workdir: str) -> str:
@@ -75,19 +95,35 @@ def run_id(workdir: str) -> str:
   return new
 
 
+def finished_step(workdir: str, run: str) -> int:
+  """The last step W&B run `run` of this workdir finished with (0: none): it holds every
+  record up to that step. A marker left by another run id (wandb_run_id deleted) counts 0."""
+  try:
+    saved = (storage.read_text(storage.join(workdir, FINISHED_FILE)) or '').split()
+    return int(saved[1]) if len(saved) == 2 and saved[0] == run else 0
+  except (ValueError, storage.StorageError):
+    return 0
+
+
 class Tracker:
   """Hands metric records to W&B from a background thread; every method returns at once.
 
   `init` (the keyword arguments of wandb.init) None: a tracker that does nothing.
   """
 
-  def __init__(self, init: dict[str, Any] | None = None, queue_size: int = QUEUE_SIZE):
+  def __init__(self, init: dict[str, Any] | None = None, queue_size: int = QUEUE_SIZE,
+               workdir: str | None = None):
     self.enabled = init is not None
     self.dropped = 0  # records not logged: the queue was full, or W&B was not running
     self.failed = ''  # why W&B stopped logging, once it did
     self.run_id = init and init.get('id')
+    self.workdir = workdir  # where metrics.jsonl and the finished-step marker live
+    self.replayed = 0  # records logged again from metrics.jsonl at a resume
     if not self.enabled:
       return
+    self._resumed = False
+    self._logged = 0  # the highest step W&B was handed
+    self._gap: int | None = None  # the first step with a record W&B did not get
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._closing = threading.Event()
     self._exit_code = 0
@@ -100,15 +136,23 @@ class Tracker:
   @classmethod
   def for_run(cls, cfg: ml_collections.ConfigDict, workdir: str) -> 'Tracker':
     """The run's tracker: W&B when train.wandb.project is set and this is process 0."""
-    w = cfg.train.wandb
-    if not w.project or jax.process_index() != 0:
+    w, name = cfg.train.wandb, project(cfg.train)
+    if jax.process_index() != 0:
+      return cls(None)
+    if not name:
+      mode = os.environ.get('WANDB_MODE', '')
+      if mode and mode != 'disabled':
+        health.warn(f'WARNING: WANDB_MODE={mode} is set but no W&B project is: the run is not '
+                    'logged to W&B. Set --config.train.wandb.project=NAME (or WANDB_PROJECT).')
       return cls(None)
     if importlib.util.find_spec('wandb') is None:
-      logging.warning("train.wandb.project=%r but wandb is not installed (pip install "
-                      "'.[wandb]'); the run is not logged to W&B.", w.project)
+      health.warn(f"WARNING: the W&B project is {name!r} but wandb is not installed (pip "
+                  "install '.[wandb]'); the run is not logged to W&B. metrics.jsonl has "
+                  'every record, and TensorBoard too.')
       return cls(None)
-    local = os.environ.get('WANDB_DIR') or (
-        workdir if not storage.is_url(workdir) else storage.local_cache_dir(workdir, 'wandb'))
+    # W&B puts its files in <dir>/wandb/: <workdir>/wandb/ for a local workdir, the same
+    # layout under a local cache folder for a bucket's (wandb writes local files only).
+    local = os.environ.get('WANDB_DIR') or storage.local_cache_dir(workdir, '')
     try:
       os.makedirs(local, exist_ok=True)
       saved_id = run_id(workdir)
@@ -117,16 +161,27 @@ class Tracker:
                       '(%s).', workdir, e)
       return cls(None)
     init = dict(
-        project=w.project, entity=w.entity or None, group=w.group or None,
+        project=name, entity=w.entity or None, group=w.group or None,
         name=w.run_name or storage.basename(workdir.rstrip('/')) or None,
         tags=list(w.tags) or None, mode=w.mode or None, id=saved_id, resume='allow',
         dir=local, config={**cfg.to_dict(), 'code_version': metrics.code_version(),
                            'workdir': workdir},
         settings=dict(init_timeout=float(w.init_timeout), finish_timeout=FINISH_TIMEOUT,
                       console='off', silent=True))
-    logging.info('Logging to W&B project %r, run id %s (local files in %s).', w.project,
-                 init['id'], local)
-    return cls(init)
+    logging.info('Logging to W&B project %r, run id %s (local files in %s).', name,
+                 init['id'], os.path.join(local, 'wandb'))
+    return cls(init, workdir=workdir)
+
+  def resume(self, start: int) -> None:
+    """Called once the run knows it starts at step `start` (its metrics.jsonl then holds
+    exactly the records up to it): W&B gets again, before anything newer, every record
+    after the step the W&B run last finished with. Only the first call counts (a rollback
+    restarts the metric writer, not the W&B run)."""
+    if not self.enabled or self._resumed:
+      return
+    self._resumed = True
+    if start > 0 and self.workdir is not None:
+      self._queue.put((_REPLAY, start))  # the queue is empty: nothing was logged yet
 
   def log(self, step: int, record: dict[str, Any]) -> None:
     """Queues one record for W&B; drops it (counted) when the queue is full."""
@@ -136,6 +191,7 @@ class Tracker:
       self._queue.put_nowait((step, dict(record)))
     except queue.Full:
       self.dropped += 1
+      self._gap = step if self._gap is None else min(self._gap, step)
       self._warn(f'W&B is behind by {self._queue.maxsize} records; dropping records '
                  '(metrics.jsonl keeps them all)')
 
@@ -186,17 +242,60 @@ class Tracker:
       self._fail(f'W&B is not logging this run: wandb.init failed ({type(e).__name__}: '
                  f'{str(e)[:300]})')
     while (item := self._next()) is not _STOP:
-      if run is None:
-        self.dropped += 1
-        continue
       step, record = item
-      try:
-        run.log(record, step=step)
-      except BaseException as e:  # pylint: disable=broad-except
-        self.dropped += 1
-        self._fail(f'W&B failed to log step {step} ({type(e).__name__}: {str(e)[:300]})')
+      if step is _REPLAY:
+        self._replay(run, record)
+      elif run is None:
+        self._missed(step)
+      else:
+        self._log(run, step, record)
     if run is not None:
       try:
         run.finish(exit_code=self._exit_code)
       except BaseException as e:  # pylint: disable=broad-except
         self._fail(f'wandb.finish failed ({type(e).__name__}: {str(e)[:300]})')
+        return
+      self._mark_finished()
+
+  def _missed(self, step: int) -> None:
+    self.dropped += 1
+    self._gap = step if self._gap is None else min(self._gap, step)
+
+  def _log(self, run: Any, step: int, record: dict[str, Any]) -> None:
+    try:
+      run.log(record, step=step)
+      self._logged = max(self._logged, step)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._missed(step)
+      self._fail(f'W&B failed to log step {step} ({type(e).__name__}: {str(e)[:300]})')
+
+  def _replay(self, run: Any, start: int) -> None:
+    """Logs again metrics.jsonl's records after the W&B run's finished step, up to `start`."""
+    try:
+      done = finished_step(self.workdir, self.run_id)
+      records = [r for r in metrics.read_records(self.workdir) if done < r['step'] <= start]
+    except Exception as e:  # pylint: disable=broad-except
+      self._gap = 1  # unknown: W&B may miss records from the start
+      self._fail(f'metrics.jsonl could not be read to log its records to W&B again ({e})')
+      return
+    for record in records:
+      step = record.pop('step')
+      if run is None:
+        self._missed(step)
+      else:
+        self._log(run, step, record)
+        self.replayed += 1
+    if records:
+      logging.info('W&B: logged %d records of steps %d..%d again from metrics.jsonl.',
+                   len(records), done + 1, start)
+
+  def _mark_finished(self) -> None:
+    """After a clean finish: W&B holds every record it was handed up to the first gap."""
+    through = self._logged if self._gap is None else min(self._logged, self._gap - 1)
+    if self.workdir is None or through <= finished_step(self.workdir, self.run_id):
+      return
+    try:
+      storage.write_atomic(storage.join(self.workdir, FINISHED_FILE),
+                           f'{self.run_id} {through}\n')
+    except Exception as e:  # pylint: disable=broad-except  # the next resume logs more again
+      logging.warning('W&B finished, but %s could not be written (%s).', FINISHED_FILE, e)

@@ -21,7 +21,6 @@ Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
 import contextlib
-import os
 import sys
 import time
 from typing import Any, NamedTuple
@@ -39,6 +38,7 @@ import config_checks
 import batches
 import data
 import errors
+import goodput
 import health
 import host_sync
 import hf_ckpt
@@ -49,13 +49,14 @@ import model
 import optim
 import profiler
 import rollback
+import run_tokenizer
 import sample
 import sharding
 import step_dirs
 import storage
 import tracking
 import workdir_lock
-from evaluation import in_loop
+from evaluation import held_out
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 BATCH_AXES = sharding.BATCH_AXES
@@ -102,17 +103,23 @@ def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainS
   """
   path = cfg.train.init_from
   if storage.exists(storage.join(path, 'config.json')):
-    if storage.is_url(path):
-      raise errors.ConfigError(f'train.init_from={path!r} is an HF directory in a bucket; HF '
-                               'weights are read from a local path: copy it down, or convert it '
-                               'once with convert.py --from_hf=LOCAL_DIR --to=gs://...')
+    storage.canonical(path, 'train.init_from (an HF directory; or convert it once with '
+                      'convert.py --from_hf=LOCAL_DIR --to=gs://...)', local_only=True)
     params, source = hf_ckpt.load_hf(path, pad_vocab_to=128)
+    logging.info('Step-0 weights from train.init_from=%s, an HF directory; fresh optimizer '
+                 'state.', path)
   elif checkpoint.committed_steps(path):
     source = ml_collections.ConfigDict(checkpoint.read_metadata(path)['config']).model
     if cfg.train.reset_step_on_init:
-      restored, _ = checkpoint.restore_latest_good(path, abstract_state(cfg, tx, mesh))
+      restored, meta = checkpoint.restore_latest_good(path, abstract_state(cfg, tx, mesh))
+      logging.info('Step-0 weights and Adam moments from train.init_from=%s, its step %d '
+                   '(train.reset_step_on_init: step and schedule restart at 0).', path,
+                   meta['step'])
       return restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
-    params, _ = checkpoint.restore(path, abstract_state(cfg, tx, mesh).params, subtree='params')
+    params, meta = checkpoint.restore(path, abstract_state(cfg, tx, mesh).params,
+                                      subtree='params')
+    logging.info('Step-0 weights from train.init_from=%s, its step %d; fresh optimizer state.',
+                 path, meta.get('step'))
   else:
     raise errors.ConfigError(f'train.init_from={path!r} is neither an HF directory '
                              '(config.json) nor a checkpoint directory with a committed step_N.')
@@ -219,57 +226,7 @@ def make_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
   return eval_step
 
 
-def held_out_sets(cfg_data: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
-  """{name: token files}: data.validation_paths as 'validation' (unless only named sets are
-  given), then each data.validation_sets entry."""
-  named = {name: tuple(paths) for name, paths in cfg_data.validation_sets.items()}
-  if cfg_data.validation_paths or not named:
-    return {'validation': tuple(cfg_data.validation_paths), **named}
-  return named
-
-
-def held_out_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh):
-  """A function params -> {'eval/lm/<set>/CE loss', PPL for each held-out set} over fixed
-  batches, or None. Sets are named as OLMo-core's LMEvaluator labels them (held_out_sets)."""
-  if not cfg.train.eval_every:
-    return None
-  rows = sharding.batch_sharding(mesh)
-  held_out = {}
-  for name, paths in held_out_sets(cfg.data).items():
-    cfg_data = cfg.data.copy_and_resolve_references()
-    cfg_data.validation_paths = paths
-    held_out[name] = data.held_out_batches(cfg_data, lambda b: batches.num_batch_shards(rows, b))
-  held_out = {name: b for name, b in held_out.items() if b}
-  if not held_out:
-    return None
-  step = jax.jit(make_eval_step(cfg, mesh))
-
-  def evaluate(params):
-    out = {}
-    for name, held in held_out.items():
-      ce, count = 0.0, 0
-      for b in held:
-        placed = {k: jax.device_put(v, NamedSharding(mesh, P(*rows.spec[:np.ndim(v)])))
-                  for k, v in b.items()}
-        c, n = step(params, placed)
-        ce, count = ce + float(c), count + int(n)
-      mean = ce / max(count, 1)
-      out[f'eval/lm/{name}/CE loss'] = mean
-      out[f'eval/lm/{name}/PPL'] = float(np.exp(min(mean, 80.0)))
-    return out
-  return evaluate
-
-
 # --- The loop ---------------------------------------------------------------------------
-
-
-def checkpoint_meta(cfg: ml_collections.ConfigDict, step: int, loader: data.Loader,
-                    version: str, recovery: rollback.Recovery | None = None) -> dict[str, Any]:
-  """What a checkpoint records besides the state: the config, the data position (with its
-  skipped windows), the code, and the rollbacks so far."""
-  return {'step': step, 'config': cfg.to_dict(), 'data': loader.state(),
-          'code_version': version, 'rng_seed': cfg.train.seed,
-          **(recovery.meta() if recovery else {})}
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
@@ -284,14 +241,19 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   second run's checkpoint clean-up would take this one's in-flight save for
   the leftovers of a crashed one.
   """
+  account = goodput.Account(workdir := storage.check(workdir))  # timed from the process start
+  account.switch('training prep')
   config_checks.validate(config_checks.complete(cfg))
-  workdir = storage.check(workdir)
+  if cfg.data.tokenizer:  # the file the run names must be readable now, not after training
+    run_tokenizer.find(cfg.data)
   init_from = cfg.train.init_from and storage.check(cfg.train.init_from,
                                                     '--config.train.init_from')
   if init_from and not storage.exists(init_from) and not storage.isdir(init_from):
     raise errors.ConfigError(f'train.init_from={cfg.train.init_from!r} does not exist; point '
                              '--config.train.init_from at a checkpoint or HF directory.')
-  mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
+  with account.phase('tpu initialization'):
+    mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
+  goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile
   cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
   accum = batches.grad_accum_steps(cfg.data.global_batch_size,
@@ -304,7 +266,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   host_sync.check_shared(workdir)  # every process sees one workdir, before anything is written
   lock = (workdir_lock.WorkdirLock(workdir) if jax.process_index() == 0
           else contextlib.nullcontext())
-  with lock:
+  with lock, account:
     ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
     if not ckpt.committed_steps():
@@ -312,7 +274,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
       if misplaced:
         health.warn(f'WARNING: {misplaced}')
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
-    state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
+    with account.phase('checkpoint restore' if ckpt.committed_steps() else 'training prep'):
+      state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
 
     def make_loader(data_state, step):  # again after a rollback, with its window skipped
@@ -326,7 +289,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
                  'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
                  dict(mesh.shape), accum, start, cfg.train.steps)
     state, last = loop(cfg, workdir, state, start, train_step, make_loader(data_state, start),
-                       ckpt, ds, mesh, recovery, make_loader)
+                       ckpt, ds, mesh, recovery, make_loader, account)
   if sample_tokens:
     sample.print_sample(cfg, state.params, sample_tokens)
   return last
@@ -334,21 +297,24 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
 
 def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start: int,
          train_step: Any, loader: data.Loader, ckpt: checkpoint.Checkpointer, ds: Any, mesh: Mesh,
-         recovery: rollback.Recovery, make_loader: Any) -> tuple[TrainState, dict[str, float]]:
+         recovery: rollback.Recovery, make_loader: Any, account: goodput.Account
+         ) -> tuple[TrainState, dict[str, float]]:
   """Steps from `start` to cfg.train.steps: log, judge, evaluate, checkpoint; stops on a
   signal (EXIT_PREEMPTED) or a divergence (EXIT_DIVERGED) that rollback.py may not recover."""
   step = start
   if start == cfg.train.steps:
     print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '
           '--config.train.steps to train further.', flush=True)
-  evaluate = held_out_evaluator(cfg, mesh)
-  downstream = in_loop.downstream_evaluator(cfg, mesh)  # OLMo-core's in-loop olmo_eval tasks
+  # Held-out loss and OLMo-core's in-loop olmo_eval tasks (their plan cached on each host).
+  evals = held_out.InLoop(cfg, mesh, make_eval_step(cfg, mesh),
+                          storage.local_cache_dir(workdir, 'eval_cache'))
   tracker = tracking.Tracker.for_run(cfg, workdir)  # W&B (train.wandb), off this thread
   profile = profiler.StepProfiler(cfg.train, workdir)  # train.profile_steps
 
   def watchers(start):  # what judges and records the steps after `start`; anew at a rollback
     writer = metrics.MetricWriter(workdir, start, tracker=tracker)  # drops records past `start`
     guard = health.DivergenceGuard(cfg.train)
+    guard.await_verdict(start)  # the resumed or restored state: judged by the step after it
     return (health.RepeatTracker.for_run(ds, loader) if cfg.train.track_repeats else None,
             health.MemorizationWatch(cfg.train.memorization_threshold,
                                      cfg.train.memorization_evals),
@@ -357,15 +323,20 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
   preempt, heartbeat = health.Preemption(), health.Heartbeat()
   version = metrics.code_version()
   last, exit_code = {}, 0
+  account.begin_segment(start)  # the loop's time is productive, but for what is timed apart
   try:  # the first beat follows the first step: its compile is paused (health.Heartbeat)
     while step < cfg.train.steps:
       t0 = time.perf_counter()
-      batch = next(loader)
+      with account.phase('data loading'):
+        batch = next(loader)
       wait = time.perf_counter() - t0
       ckpt.poll()  # a failed background save stops the run now, not at the next save
       profile.before_step(step + 1)
-      with heartbeat.compiling('train step'):
+      with heartbeat.compiling('train step'), account.phase(
+          'program startup' if account.first_step_s is None else goodput.PRODUCTIVE):
         state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
+        if account.first_step_s is None:  # its compile, and the wait for it, are start-up
+          account.first_step_done(step + 1, step_metrics, writer)
       step += 1
       profile.after_step(step, state)
       step_metrics = {**step_metrics, **recovery.counters(step)}
@@ -377,45 +348,43 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       finished = step == cfg.train.steps
       save = step % cfg.train.ckpt_every == 0 or finished or preempted
       log = step % cfg.train.log_every == 0 or finished or preempted
-      if log or save:  # a save is judged healthy only after the guard saw its step
+      if log or save:  # the guard sees the steps here, and judges the states before them
         last = progress.flush(log)
         memorization.observe_train(step, last['train/CE loss'])
+        account.record(step)
+        for judged, healthy in guard.verdicts():  # before a rollback picks a state
+          ckpt.judge(judged, healthy, judged + 1)
       if guard.reason:  # roll back to the last healthy state, or stop (EXIT_DIVERGED)
-        state, step, data_state = recovery.roll_back(
-            guard.reason, step, state, recovery.target,
-            checkpoint_meta(cfg, step, loader, version, recovery), writer, guard.trip_step)
+        with account.phase('custom/rollback'):
+          state, step, data_state = recovery.roll_back(
+              guard.reason, step, state, recovery.target,
+              metrics.checkpoint_meta(cfg, step, loader, version, recovery), writer,
+              guard.trip_step)
+        account.begin_segment(step)  # the steps after `step` are computed again
         loader.close()
         writer.close()
         loader = make_loader(data_state, step)
         repeats, memorization, writer, guard, progress = watchers(step)
         continue
-      # Not on preemption: the grace period is for the checkpoint.
-      if evaluate and (step % cfg.train.eval_every == 0 or finished) and not preempted:
-        t_eval = time.perf_counter()
-        with heartbeat.compiling('evaluation'):
-          val = evaluate(state.params)
-        val['eval/lm/time (s)'] = time.perf_counter() - t_eval
-        held = val.get('eval/lm/validation/CE loss')  # the memorization watch's held-out set
-        writer.write(step, {**val, **(memorization.observe_eval(step, held)
-                                      if held is not None else {})})
-        last.update(val)
-        print(f'step {step:>7d}  {held_out_line(val)}', flush=True)
-      if (downstream and (step % cfg.train.downstream_eval_every == 0 or finished)
-          and not preempted):
-        t_eval = time.perf_counter()
-        with heartbeat.paused():  # minutes at 7B, no step beats meanwhile
-          down = downstream(state.params)
-        down['eval/downstream/time (s)'] = time.perf_counter() - t_eval
-        writer.write(step, down)
-        last.update(down)
-        print(f"step {step:>7d}  downstream {in_loop.headline(down)} "
-              f"({down['eval/downstream/time (s)']:.1f}s)", flush=True)
+      if not preempted:  # the grace period is for the checkpoint
+        last.update(evals.run(step, state.params, finished, writer, memorization, heartbeat,
+                              account))
       if save:
+        account.switch('checkpoint save')  # its blocking part; the write goes on behind
         writer.flush()  # in a bucket: the records through this step, before it commits
-        ckpt.save(step, state, checkpoint_meta(cfg, step, loader, version, recovery),
-                  healthy=guard.healthy)
+        # Pending: the next step's loss, the first from these params, judges this state
+        # (health.DivergenceGuard). The last step of a run, or one preempted, stays pending
+        # until a run continuing from it takes that step.
+        ckpt.save(step, state, metrics.checkpoint_meta(cfg, step, loader, version, recovery),
+                  healthy=None)
+        guard.await_verdict(step)
+        account.switch(goodput.PRODUCTIVE)
+        account.record(step, save=True)
+        if not (finished or preempted):  # those steps get the final account (`finally`)
+          writer.write(step, goodput.metrics(account.summary()))
       if preempted:
-        ckpt.wait()
+        with account.phase('checkpoint save'):
+          ckpt.wait()
         logging.warning('Preempted at step %d; checkpoint written.', step)
         raise SystemExit(errors.EXIT_PREEMPTED)
       heartbeat.beat()
@@ -430,20 +399,16 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         logging.exception('The in-flight checkpoint save failed too.')
     raise
   else:
-    ckpt.close()
+    with account.phase('checkpoint save'):
+      ckpt.close()
   finally:
     preempt.close()
     profile.close()  # a trace cut short by the end of the loop is still saved
     loader.close()
+    writer.write(step, goodput.metrics(account.summary()))
     writer.close()
     tracker.close(exit_code)  # after the writer's last record; waits a bounded time
   return state, last
-
-
-def held_out_line(val: dict[str, float]) -> str:
-  """'validation loss 5.0712  c4_en-validation loss 4.2  (1.3s)': each set, and the time."""
-  losses = [f'{k.split("/")[2]} loss {v:.4f}' for k, v in val.items() if k.endswith('/CE loss')]
-  return '  '.join(losses) + f"  ({val['eval/lm/time (s)']:.1f}s)"
 
 
 # --- The command line -------------------------------------------------------------------
@@ -460,13 +425,13 @@ def main(argv: list[str]) -> None:
                   '--devices=N [--target_devices=M].', errors.EXIT_USAGE)
   if not FLAGS.workdir:
     errors.report('--workdir is required (checkpoints and metrics go there).', errors.EXIT_USAGE)
-  with errors.one_line():
-    storage.check(FLAGS.workdir)  # a mistyped URL must not become a local folder
-  log_file = storage.join(FLAGS.workdir, 'error.log')
+  with errors.one_line():  # one spelling per place; a mistyped URL never becomes a folder
+    workdir = storage.canonical(FLAGS.workdir, '--workdir')
+  log_file = storage.join(workdir, 'error.log')
   with errors.one_line(log_file, append=storage.append, restartable=(
       storage.StorageError, checkpoint.CheckpointReadError, checkpoint.CheckpointSaveError)):
     sharding.init_distributed_from_flags()
-    train(FLAGS.config, FLAGS.workdir, FLAGS.sample_tokens)
+    train(FLAGS.config, workdir, FLAGS.sample_tokens)
 
 
 def run() -> None:

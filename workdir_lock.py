@@ -64,7 +64,7 @@ class WorkdirLock:
     self._lease: _Lease | None = None
 
   def __enter__(self) -> 'WorkdirLock':
-    if storage.is_url(self.workdir):
+    if not storage.locks(self.workdir):  # a bucket: a lease
       self._lease = _Lease(self.workdir, self.path)
       return self
     if self._fd is not None:
@@ -143,6 +143,15 @@ def _holder() -> dict:
           'renewed': time.time()}
 
 
+def _parsed(text: bytes) -> dict | None:
+  """A bucket LOCK's holder, or None when its contents are not one."""
+  try:
+    holder = json.loads(text)
+  except ValueError:
+    return None
+  return holder if isinstance(holder, dict) else None
+
+
 def _stale_because(holder: dict) -> str:
   """Why a bucket LOCK's holder is gone ('' while it holds the lease)."""
   age = time.time() - float(holder.get('renewed', 0))
@@ -166,8 +175,13 @@ class _Lease:
     self.holder = _holder()
     for _ in range(3):  # lost races re-read the winner, who is then refused below
       text, generation = storage.read_versioned(path)
+      if text and _parsed(text) == self.holder:
+        # This run's own create: its answer was lost and the client's retry met the object
+        # it had made (GCS answers 412). The lease is taken, at the generation read.
+        self.generation = generation
+        break
       if text:
-        self._refuse_unless_stale(text)
+        generation = self._wait_unless_stale(text, generation)
       self.generation = storage.write(path, json.dumps(self.holder).encode(),
                                       if_generation=generation)
       if self.generation is not None:
@@ -179,22 +193,46 @@ class _Lease:
     self._thread = threading.Thread(target=self._renew, name='workdir-lock-lease', daemon=True)
     self._thread.start()
 
-  def _refuse_unless_stale(self, text: bytes) -> None:
-    try:
-      holder = json.loads(text)
+  def _wait_unless_stale(self, text: bytes, generation: bytes) -> bytes:
+    """The generation to take LOCK over at, once its holder is stale; refuses a live one.
+
+    A holder on another host that still looks live may be a host lost in a preemption
+    (its replacement has another name): the lease is waited out, checking every few
+    seconds whether it is renewed (a live run: refused) or released.
+    """
+    holder, announced = _parsed(text), False
+    while True:
+      if not isinstance(holder, dict) or not {'host', 'pid', 'started'} <= holder.keys():
+        logging.warning('Taking over %s: unrecognised contents %r.', self.path, text[:200])
+        return generation
       who = f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
-    except (ValueError, TypeError, KeyError):
-      logging.warning('Taking over %s: unrecognised contents %r.', self.path, text[:200])
-      return
-    why = _stale_because(holder)
-    if not why:
-      raise WorkdirLockedError(
-          f'Workdir {self.workdir} is in use by another training run ({who}; lock {self.path}, '
-          f'renewed {time.time() - holder["renewed"]:.0f} s ago). Two runs in one workdir would '
-          "overwrite each other's checkpoints. Wait for that run to end or stop it, or use "
-          f'another --workdir (a lock not renewed for {LEASE_SECONDS:.0f} s is taken over).')
-    logging.warning('Taking over the stale workdir lock %s: its holder (%s) is %s.',
-                    self.path, who, why.replace('its process', 'a process that'))
+      why = _stale_because(holder)
+      if why:
+        logging.warning('Taking over the stale workdir lock %s: its holder (%s) is %s.',
+                        self.path, who, why.replace('its process', 'a process that'))
+        return generation
+      age = time.time() - float(holder.get('renewed', 0))
+      if holder['host'] == socket.gethostname() or announced == 'renewed':
+        raise WorkdirLockedError(
+            f'Workdir {self.workdir} is in use by another training run ({who}; lock '
+            f'{self.path}, renewed {age:.0f} s ago). Two runs in one workdir would overwrite '
+            "each other's checkpoints. Wait for that run to end or stop it, or use another "
+            f'--workdir (a lock not renewed for {LEASE_SECONDS:.0f} s is taken over).')
+      if not announced:
+        logging.warning(
+            'Workdir %s is held by %s (lock %s, renewed %.0f s ago), another host: waiting up '
+            'to %.0f s for the lease to expire (a host replaced after a preemption leaves its '
+            'lease behind), and refusing to start if its holder renews it.', self.workdir,
+            who, self.path, age, max(0.0, LEASE_SECONDS - age))
+        announced = True
+      time.sleep(min(5.0, LEASE_SECONDS / 20, max(0.1, LEASE_SECONDS - age + 0.1)))
+      new_text, new_generation = storage.read_versioned(self.path)
+      if new_generation == generation:
+        continue
+      if not new_text:  # released meanwhile: free to take
+        return new_generation
+      text, generation, holder = new_text, new_generation, _parsed(new_text)
+      announced = 'renewed'  # renewed or taken by a live run: refused above
 
   def _renew(self) -> None:
     while not self._stop.wait(LEASE_SECONDS / 4):

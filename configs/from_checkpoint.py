@@ -13,7 +13,6 @@ its type (a placeholder stays overridable from the command line, a tuple a
 tuple) and a field the checkpoint predates keeps the 7B default.
 """
 
-import os
 
 import ml_collections
 
@@ -58,5 +57,6 @@ def get_config(path: str = '') -> ml_collections.ConfigDict:
     errors.report('configs/from_checkpoint.py needs the checkpoint: '
                   '--config=configs/from_checkpoint.py:WORKDIR_OR_CHECKPOINT_DIR.',
                   errors.EXIT_USAGE)
-  return _merged(olmo3_7b.get_config(),
-                 _stored(path if storage.is_url(path) else os.path.expanduser(path)))
+  with errors.one_line():  # a malformed location is one line, before ml_collections wraps it
+    path = storage.canonical(path, '--config=configs/from_checkpoint.py:PATH', writes=False)
+  return _merged(olmo3_7b.get_config(), _stored(path))

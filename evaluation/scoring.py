@@ -34,9 +34,9 @@ import checkpoint
 import errors
 import hf_ckpt
 import model
+import run_tokenizer
 import storage
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _QUERY_CHUNK = 256  # C: head rows per lax.map step; bounds the [C, V] logits block
 
 
@@ -77,10 +77,7 @@ def locate(path: str, step: int | None = None) -> tuple[str, int | None]:
         'give an HF model directory (config.json + *.safetensors) or a checkpoint directory '
         'of committed step_N/ (train.py writes WORKDIR/checkpoints).')
   if storage.exists(storage.join(path, 'config.json')):
-    if storage.is_url(path):
-      raise ModelPathError(f'{path} is an HF directory in a bucket; HF models are read from a '
-                           'local path: copy it down (gcloud storage cp -r / aws s3 cp '
-                           '--recursive).')
+    storage.canonical(path, '--checkpoint (an HF directory)', local_only=True)
     return path, step
   steps = checkpoint.committed_steps(path)
   if steps:
@@ -123,13 +120,9 @@ def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
     params, meta = _restore_params(path, step)
     full = ml_collections.ConfigDict(meta['config'])
     if 'data' in full:  # written by train.py
-      d = full.data
-      # The run's own tokenizer (data.tokenizer, filled in from its mix by train.py).
-      own = d.get('tokenizer') or ''
+      d = full.data  # its tokenizer: run_tokenizer.find(d), when a suite needs it
       lm = LoadedModel(params, full.model, d.vocab_size, d.eos_token_id, d.seq_len, path,
-                       step=step, data_cfg=d,
-                       tokenizer_path=own if os.path.exists(own)
-                       else _default_tokenizer(path, d.vocab_size))
+                       step=step, data_cfg=d)
     else:  # written by convert.py --from_hf: its HF source says what the run's data would
       lm = _from_hf_source(params, full.model, meta, path, step)
   lm.cfg = ml_collections.ConfigDict(lm.cfg.to_dict())  # unlocked copy we may edit
@@ -151,12 +144,10 @@ def _from_hf_source(params: model.Params, cfg: ml_collections.ConfigDict, meta: 
     raise ValueError(f'{path}: the checkpoint has neither a data config (train.py) nor an HF '
                      'source with eos_token_id (convert.py --from_hf); evaluate the HF '
                      'directory it came from instead, or convert it again.')
-  files = os.path.join(path, f'step_{step}', hf_ckpt.HF_FILES)
-  tok = os.path.join(files, 'tokenizer.json')
+  tok = storage.join(path, f'step_{step}', hf_ckpt.HF_FILES, 'tokenizer.json')
   return LoadedModel(params, cfg, source['vocab_size'], eos,
                      source['max_position_embeddings'] or 2048, path, step=step,
-                     tokenizer_path=tok if os.path.exists(tok)
-                     else _default_tokenizer(path, source['vocab_size']))
+                     tokenizer_path=tok if storage.exists(tok) else None)
 
 
 def _restore_params(directory: str, step: int) -> tuple[model.Params, dict]:
@@ -165,26 +156,24 @@ def _restore_params(directory: str, step: int) -> tuple[model.Params, dict]:
   return params, dict(checkpoint.read_metadata(directory, step), config=cfg.to_dict())
 
 
-def _default_tokenizer(directory: str, vocab_size: int) -> str | None:
-  """tokenizer.json beside the checkpoint, else the embedded one if its vocab matches."""
-  for candidate in (os.path.join(directory, 'tokenizer.json'),
-                    os.path.join(REPO, 'data', 'tokenizer.json')):
-    if os.path.exists(candidate):
-      if Tokenizer.from_file(candidate).get_vocab_size() == vocab_size:
-        return candidate
-  return None
-
-
-def load_tokenizer(path: str | None, lm: LoadedModel) -> Tokenizer:
-  """A `tokenizers.Tokenizer` whose ids fit the model."""
-  path = path or lm.tokenizer_path
+def load_tokenizer(explicit: str | None, lm: LoadedModel) -> Tokenizer:
+  """The model's tokenizer, as a `tokenizers.Tokenizer` whose ids fit it: `explicit`
+  (--tokenizer), else the run's own (run_tokenizer.find on its data config), else the
+  one an HF directory or source carries. Never another model's: none found is a
+  TokenizerError asking for --tokenizer."""
+  if explicit or lm.data_cfg is not None:
+    path = run_tokenizer.find(lm.data_cfg, explicit)
+  else:
+    path = lm.tokenizer_path and run_tokenizer.find(None, lm.tokenizer_path, what='its tokenizer')
   if not path:
-    raise FileNotFoundError(f'No tokenizer found for {lm.source}; pass --tokenizer=PATH to its '
-                            'tokenizer.json (the 7B uses dolma2, allenai_dolma2.json).')
-  tok = Tokenizer.from_file(storage.local_file(path))
+    raise run_tokenizer.TokenizerError(
+        f'{lm.source} names no tokenizer; pass --tokenizer=PATH (or a gs:// / s3:// URL) to '
+        'the tokenizer.json its data was made with (the 7B: dolma2, allenai_dolma2.json).')
+  tok = run_tokenizer.load(path)
   if tok.get_vocab_size() > lm.vocab_size:
-    raise ValueError(f'Tokenizer {path} has {tok.get_vocab_size()} tokens but the model only '
-                     f'{lm.vocab_size}; it belongs to another model.')
+    raise run_tokenizer.TokenizerError(
+        f'Tokenizer {explicit or path} has {tok.get_vocab_size()} tokens but the model only '
+        f'{lm.vocab_size}; it belongs to another model: pass the run\'s with --tokenizer.')
   return tok
 
 

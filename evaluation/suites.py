@@ -4,7 +4,7 @@ Each suite returns a JSON-ready dict that eval.py puts into its report under
 the suite's name; `format_report` renders a report as the readable table.
 Conventions: docs/evaluation.md.
 
-Shapes: B batch, T time, D d_model, V vocab (real rows).
+Shapes: B batch, T time, D d_model, V the head's columns (the padded vocabulary).
 """
 
 import dataclasses
@@ -81,8 +81,12 @@ def heldout_loss(lm: LoadedModel, paths: Sequence[str], *, seq_len: int, batch_s
 
   The batches are instances 0, 1, ... of the token files, so any two
   checkpoints see identical tokens (`fingerprint` hashes them). The CE is
-  loss.sums without z-loss, the training loss's own definition. A set smaller
-  than one batch is read as one batch of all its instances, as train.py does.
+  loss.held_out_sums, the definition train.py's in-loop `eval/lm/<set>/CE loss`
+  uses: on a train.py checkpoint the softmax runs over every column of the head,
+  the vocabulary's padding included, so on the same batches the two agree to
+  float32 rounding; an HF model's over its own vocab_size, as HF computes it.
+  A set smaller than one batch is read as one batch of all its instances, as
+  train.py does.
   """
   ds = data.Dataset(list(paths), seq_len=seq_len, vocab_size=lm.vocab_size,
                     eos_token_id=lm.eos_token_id, pad_token_id=pad_token_id,
@@ -90,15 +94,19 @@ def heldout_loss(lm: LoadedModel, paths: Sequence[str], *, seq_len: int, batch_s
   batch_size = min(batch_size, ds.num_instances) or batch_size
   batches = data.validation_batches(ds, batch_size, num_batches, document_masking=document_masking)
   forward = model.build(lm.cfg)
+  # The head the model's own loss softmaxes over: all of it for a train.py checkpoint (its
+  # training and in-loop held-out loss count the padding columns); an HF model's own
+  # vocab_size otherwise (the columns our loader pads it with are not the model's).
+  columns = None if lm.data_cfg is not None else lm.vocab_size
 
   @jax.jit
   def per_instance(params, tokens_BT, labels_BT, segment_ids_BT):
     h_BTD = forward.apply(params, tokens_BT, segment_ids_BT)
-    w_DV = model.head_weight(params, h_BTD.dtype, lm.vocab_size)
+    w_DV = model.head_weight(params, h_BTD.dtype, columns)
 
     def one(h_TD, y_T):
-      return loss.sums(h_TD[None], w_DV, y_T[None], jnp.ones((1,), bool),
-                       z_loss=0.0, chunk=1024)[0]
+      return loss.held_out_sums(h_TD[None], w_DV, y_T[None], jnp.ones((1,), bool),
+                                chunk=1024)[0]
     return jax.vmap(one)(h_BTD, labels_BT)
 
   start = time.time()

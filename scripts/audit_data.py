@@ -78,6 +78,7 @@ import data  # noqa: E402
 import errors  # noqa: E402
 import health  # noqa: E402
 import rollback  # noqa: E402
+import storage  # noqa: E402
 import token_files  # noqa: E402
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
@@ -584,11 +585,25 @@ def build_dataset(cfg_data: Any, num_instances: int = 0) -> data.Dataset:
     return SizedDataset(sizes, paths=paths, labels=labels, **common)
 
 
+def canonical_flags() -> None:
+  """The location flags in storage.canonical's one form, or one line (exit 2) before any work:
+  --workdir is read (a path or a bucket), --json written (a path or a bucket), --cache_dir
+  and --tmp_dir are local (memory-mapped, and spill files)."""
+  if FLAGS.workdir:
+    FLAGS.workdir = storage.canonical(FLAGS.workdir, '--workdir', writes=False)
+  if FLAGS.json:
+    FLAGS.json = storage.canonical(FLAGS.json, '--json')
+  for name in ('cache_dir', 'tmp_dir'):
+    if FLAGS[name].value:
+      FLAGS[name].value = storage.canonical(FLAGS[name].value, f'--{name}', local_only=True)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   cfg = FLAGS.config
   try:
+    canonical_flags()
     config_checks.complete(cfg)  # tokenizer settings a mix states about itself, as train.py
     ds = build_dataset(cfg.data, FLAGS.num_instances)
     steps = FLAGS.steps or cfg.train.steps
@@ -649,10 +664,9 @@ def main(argv):
     print(f"ngrams: OLMo-core's filter {ng['filter']} rejects {ng['rejected_instances']} "
           f"({100 * ng['rejected_fraction']:.3f}%); max repeats per instance "
           f"{ng['max_repeats_histogram']}")
-  if FLAGS.json:
-    with open(FLAGS.json + '.tmp', 'w') as f:
-      json.dump(report, f, indent=1)
-    os.replace(FLAGS.json + '.tmp', FLAGS.json)
+  if FLAGS.json:  # a path or a bucket object, written whole
+    storage.makedirs(storage.parent(FLAGS.json))
+    storage.write_atomic(FLAGS.json, json.dumps(report, indent=1), fsync=False)
   bad = (order['repeated_ids'] or order['loader_errors']
          or content.get('identical_instances', 0))
   if bad:
@@ -681,15 +695,17 @@ def define_flags() -> None:
                        '(stage 1: 723872768).')
   flags.DEFINE_bool('all_epochs', False, 'Drive every epoch step by step (default: all of a '
                     f'run of <= {_FULL_EPOCHS} epochs, else the epochs audited_epochs() picks).')
-  flags.DEFINE_string('cache_dir', '', "Permutation cache ('': in memory, 4N bytes).")
+  flags.DEFINE_string('cache_dir', '', "Writes the permutation cache, a local folder ('': in "
+                      'memory).')
   flags.DEFINE_bool('content', False, 'Hash instances and documents for repeated content.')
   flags.DEFINE_bool('ngrams', False, "OLMo-core's repetition-filter statistics per instance.")
   flags.DEFINE_integer('memory_mb', 1024, '--content: memory for hashes; more spills to disk.')
-  flags.DEFINE_string('tmp_dir', '', '--content: where hash buckets spill (default: TMPDIR).')
+  flags.DEFINE_string('tmp_dir', '', '--content: local folder hash buckets spill to (TMPDIR).')
   flags.DEFINE_integer('min_doc_tokens', 32, '--content: shorter documents are not compared.')
-  flags.DEFINE_string('json', '', 'Also write the full report here.')
-  flags.DEFINE_string('workdir', '', "The run's workdir: the global batches its rollbacks "
-                      '(rollbacks.jsonl) skip are skipped here too, as train.skip_batches is.')
+  flags.DEFINE_string('json', '', 'Writes the full report here too (a path, gs:// or s3://).')
+  flags.DEFINE_string('workdir', '', "Reads the run's workdir (a path or URL): the batches its "
+                      'rollbacks (rollbacks.jsonl) skip are skipped here too, as '
+                      'train.skip_batches is.')
 
 
 if __name__ == '__main__':

@@ -44,6 +44,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import download  # noqa: E402  (the repository root must be on the path first)
 import errors  # noqa: E402
+import storage  # noqa: E402
 import token_files  # noqa: E402  (not data.py: a listing needs no JAX)
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
@@ -143,9 +144,7 @@ def entries(mix: str, tok_id: str = '', labels: tuple[str, ...] = (),
 
 
 def url_of(base_url: str, rel_path: str) -> str:
-  if '://' in rel_path or os.path.isabs(rel_path):
-    return rel_path
-  return base_url.rstrip('/') + '/' + rel_path  # OLMo-core DataMix.build: f'{base_dir}{path}'
+  return storage.resolve(base_url, rel_path)  # OLMo-core DataMix.build: f'{base_dir}{path}'
 
 
 def sizes(urls: list[str], workers: int = 8,
@@ -225,9 +224,24 @@ def write_remote_mix(path: str, files: list[tuple[str, str]], urls: list[str], f
   return 0
 
 
+def canonical_flags() -> None:
+  """The location flags in storage.canonical's one form, or one line (exit 2) before any work.
+  --base_url is read (a path, gs://, s3://, http(s)://); the files, the local mix and the
+  checksums are local (download.py writes local files; copy them up afterwards)."""
+  if FLAGS.base_url:
+    FLAGS.base_url = storage.canonical(FLAGS.base_url, '--base_url', writes=False)
+  for name in ('output_dir', 'local_mix', 'remote_mix', 'checksums'):
+    if FLAGS[name].value:
+      FLAGS[name].value = storage.canonical(FLAGS[name].value, f'--{name}', local_only=True)
+  if FLAGS.mix:  # a mix's name or a local file; no URL
+    storage.canonical(FLAGS.mix, '--mix', local_only=True)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  with errors.one_line():
+    canonical_flags()
   if not FLAGS.mix:
     raise app.UsageError('--mix is required (a name from olmo_core/data/mixes/ or a file).')
   if not FLAGS.list and not FLAGS.output_dir and not FLAGS.remote_mix:
@@ -285,7 +299,8 @@ def define_flags() -> None:
   flags.DEFINE_string(
       'base_url', 'https://olmo-data.org', "Root the mix's paths are joined to (OLMo-core's "
       'default --data-root; a gs:// or s3:// bucket prefix, or a local directory, also work).')
-  flags.DEFINE_string('output_dir', None, 'Where the files (and the local mix) go.')
+  flags.DEFINE_string('output_dir', None, 'Writes the files (and the local mix) into this '
+                      'local folder.')
   flags.DEFINE_string(
       'tokenizer_id', '', "Substituted for {TOKENIZER}; '' -> OLMo-core's id for dolma2 and this "
       'mix (allenai/dolma3-tokenizer for the Olmo 3 mixes).')

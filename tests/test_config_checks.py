@@ -166,12 +166,12 @@ def test_a_validation_file_that_is_a_training_file_is_refused(tmp_path, monkeypa
                        'training file of mix file'):
       config_checks.complete(cfg, announce=False)
   cfg = small.get_config()  # URLs compare as spelled
-  cfg.data.mix_file, cfg.data.paths = '', ('s3://b/train.npy',)
+  cfg.data.mix_file, cfg.data.paths = '', ('s3://bkt/train.npy',)
   cfg.data.vocab_size, cfg.data.eos_token_id, cfg.data.pad_token_id = 8192, 0, 1
-  cfg.data.validation_paths = ('s3://b/val.npy',)
+  cfg.data.validation_paths = ('s3://bkt/val.npy',)
   config_checks.complete(cfg, announce=False)
-  cfg.data.validation_paths = ('s3://b/train.npy',)
-  with pytest.raises(errors.ConfigError, match='s3://b/train.npy, which is also a training'):
+  cfg.data.validation_paths = ('s3://bkt/train.npy',)
+  with pytest.raises(errors.ConfigError, match='s3://bkt/train.npy, which is also a training'):
     config_checks.complete(cfg, announce=False)
 
 

@@ -23,6 +23,7 @@ import config_checks
 import errors
 import model
 import optim
+import run_tokenizer
 from configs import small
 from evaluation import compare, deps, offline_tasks, plots, scoring, suites, tasks
 
@@ -548,7 +549,7 @@ def test_bad_inputs_have_clear_errors(tmp_path, lm, scorer):
     scoring.load_model(str(tmp_path))
   with pytest.raises(ValueError, match='must both be non-empty'):
     scorer.loglikelihood_tokens([([1], [])])
-  with pytest.raises(FileNotFoundError, match='No tokenizer'):
+  with pytest.raises(run_tokenizer.TokenizerError, match='names no tokenizer; pass --tokenizer'):
     scoring.load_tokenizer(None, lm)
   with pytest.raises(ImportError, match=r"not_a_package .*pip install '\.\[test\]'"):
     deps.require('not_a_package')

@@ -9,6 +9,7 @@ from tensorboardX.proto import event_pb2, summary_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 import events
+from test_train import token_files  # noqa: F401  # the fixture, for the train.py test
 
 
 def parse(path) -> list[event_pb2.Event]:
@@ -106,3 +107,50 @@ def test_damaged_records_and_missing_files_are_named(tmp_path):
     events.read_scalars(str(tmp_path / 'empty'), {'loss'})
   with pytest.raises(ValueError, match='negative'):
     events.Writer(str(tmp_path)).summary(-1, [])
+
+
+def test_run_killed_before_its_first_checkpoint_logs_each_step_once(token_files, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+  """train.py SIGKILLed while it waits for batch 3 (steps 1-2 logged, no checkpoint yet),
+  then run again from step 0: TensorBoard shows each step once, because the second start
+  tells it (SessionLog START at step 1) to drop what the killed one logged. Before, a start
+  at step 0 wrote no marker and read_scalars gave [1, 2, 1, 2, 3, ...]. The run has
+  $WANDB_MODE set and no W&B project: it says W&B is off, in one line."""
+  import glob
+  import os
+  import signal
+  import subprocess
+  import time
+
+  from test_train import REPO, STEPS, child_command, logged_steps
+  paths = token_files
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.delenv('WANDB_PROJECT', raising=False)
+  workdir = tmp_path / 'run'
+  argv, env = child_command(workdir, paths, '--config.train.ckpt_every=4', devices=1,
+                            hang_at=3)
+  proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 300
+    while logged_steps(workdir) < 2:
+      assert proc.poll() is None and time.time() < deadline, 'the child never logged step 2'
+      time.sleep(0.2)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert not os.path.exists(workdir / 'checkpoints' / 'step_4')
+  argv, env = child_command(workdir, paths, '--config.train.ckpt_every=4', devices=1)
+  again = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert sum('WANDB_MODE=offline is set but no W&B project' in line
+             for line in again.stderr.splitlines()) == 1
+  assert not os.path.exists(workdir / 'wandb')
+
+  steps, _ = events.read_scalars(str(workdir / 'tensorboard'), {'train/CE loss'})
+  assert steps == list(range(1, STEPS + 1))
+  files = sorted(glob.glob(str(workdir / 'tensorboard' / 'events.out.tfevents*')))
+  assert len(files) == 2
+  starts = [(e.step, e.session_log.status) for e in parse(files[1]) if e.HasField('session_log')]
+  assert starts == [(1, event_pb2.SessionLog.START)]  # tensorboardX's own protos
+

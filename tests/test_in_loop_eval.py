@@ -169,6 +169,38 @@ def test_any_mesh_gives_the_same_metrics(tiny, ours_one_device):
       assert math.isclose(other[name], value, rel_tol=1e-5, abs_tol=1e-6), name
 
 
+def test_the_plan_cache_gives_the_same_metrics_and_is_keyed(tiny, ours_one_device, tmp_path,
+                                                           caplog):
+  """A second start reads the tasks and packing from this host's cache: the metrics equal
+  the ones built from the wheel (ours_one_device, no cache), and another limit, sequence
+  length or tokenizer is another cache entry."""
+  cfg, params = tiny
+  mesh = sharding.make_mesh(cfg.train, jax.devices()[:2])
+  placed = jax.tree.map(jax.device_put, params, sharding.state_shardings(params, mesh))
+  first = in_loop.downstream_evaluator(cfg, mesh, str(tmp_path))  # builds, then writes
+  files = list(tmp_path.glob('downstream_plan.*.npz'))
+  assert len(files) == 1
+  with caplog.at_level('INFO'):
+    second = in_loop.downstream_evaluator(cfg, mesh, str(tmp_path))
+  assert 'read from the cache' in caplog.text
+  for got in (first(placed), second(placed)):
+    assert sorted(got) == sorted(ours_one_device)
+    for name, value in ours_one_device.items():
+      assert math.isclose(got[name], value, rel_tol=1e-5, abs_tol=1e-6), name
+  path = olmo_eval_requests.tokenizer_path(cfg.data)
+  key = in_loop.plan_key(cfg, path)
+  assert files[0].name == f'downstream_plan.{key}.npz'
+  for change in (dict(train=dict(downstream_eval_limit=LIMIT + 1)), dict(data=dict(seq_len=128)),
+                 dict(train=dict(eval_tasks=('copycolors_10way_fast',)))):
+    other = cfg.copy_and_resolve_references()
+    for section, values in change.items():
+      other[section].update(values)
+    assert in_loop.plan_key(other, path) != key, change
+  copy = tmp_path / 'tokenizer.json'
+  copy.write_bytes(open(path, 'rb').read().replace(b'"', b'"', 1) + b' ')  # other bytes
+  assert in_loop.plan_key(cfg, str(copy)) != key
+
+
 def test_fast_set_is_olmo_cores():
   from olmo_core.eval.task_groups import TASK_GROUPS
   assert olmo3_7b.FAST_TASKS == tuple(sorted(TASK_GROUPS['fast']))

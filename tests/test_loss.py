@@ -116,3 +116,44 @@ class LossTest(parameterized.TestCase):
       loss.sums(h, w, labels, mask.astype(np.int32), z_loss=0.0, chunk=4)
     with pytest.raises(ValueError, match='head'):
       loss.sums(h, w.T, labels, mask, z_loss=0.0, chunk=4)
+
+
+# --- One held-out loss for train.py and eval.py ------------------------------------------
+
+
+def test_eval_heldout_equals_the_runs_own_validation_loss_with_a_padded_vocab(tmp_path):
+  """train.py logs eval/lm/validation/CE loss at step 2; eval.py --suite=heldout on that
+  checkpoint reads the same batches and must report the same number. The model's head has
+  128 padding columns past the data's 256 ids (random at step 2, as at init), so a CE that
+  leaves them out of the softmax differs by ~log(384/256) nats; float32 rounding of the
+  two summation orders is ~1e-7 relative."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from test_train import REPO, config_flags
+  tokens = np.fromfile(os.path.join(REPO, 'data', 'shakespeare-train-00000.npy'), '<u4',
+                       64 * 16 * 6) % 256
+  paths = str(tmp_path / 'train.npy'), str(tmp_path / 'validation.npy')
+  np.save(paths[0], tokens[:64 * 16 * 4].astype(np.uint32))
+  np.save(paths[1], tokens[64 * 16 * 4:].astype(np.uint32))
+  workdir = tmp_path / 'run'
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'train.py'), f'--workdir={workdir}',
+       '--sample_tokens=0', *config_flags(paths), '--config.model.vocab_size=384',
+       '--config.train.steps=2', '--config.train.eval_every=2', '--config.train.ckpt_every=2'],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  [in_loop] = [r['eval/lm/validation/CE loss'] for r in records
+               if 'eval/lm/validation/CE loss' in r]
+  report = tmp_path / 'report.json'
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'eval.py'), f'--checkpoint={workdir}/checkpoints',
+       '--suite=heldout', f'--output={report}'],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  heldout = json.loads(report.read_text())['heldout']
+  assert heldout['tokens'] == 16 * 63  # one batch of 16 instances, as train.py's evaluator
+  assert heldout['loss'] == pytest.approx(in_loop, rel=2e-6, abs=0)

@@ -88,3 +88,27 @@ def test_device_memory_is_the_largest_per_device_and_absent_on_cpu(monkeypatch):
   assert metrics.device_memory() == {'system/device memory in use (GiB)': 4.0,
                                      'system/device memory peak (GiB)': 6.0,
                                      'system/device memory peak (%)': 7.5}
+
+
+@pytest.mark.parametrize('window', ['(3, 4)', '(1, 3)'])
+def test_a_window_past_the_last_step_is_refused_in_one_line(token_files, tmp_path, window):
+  """train.py --config.train.steps=2 with steps 3..4 (none would run) or 1..3 (step 3 never
+  runs): exit 2 and one `error:` line naming both fields, before anything is written.
+  Before, (3, 4) trained, exited 0 and traced nothing, without a word."""
+  import os
+  import subprocess
+  import sys
+
+  from test_train import REPO, config_flags
+  workdir = tmp_path / 'run'
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'train.py'), f'--workdir={workdir}',
+       *config_flags(token_files), '--config.train.steps=2',
+       f'--config.train.profile_steps={window}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  lines = [line for line in run.stderr.splitlines() if line.startswith('error: ')]
+  assert run.returncode == errors.EXIT_USAGE and len(lines) == 1, run.stderr[-3000:]
+  assert 'Traceback' not in run.stderr
+  assert 'train.profile_steps=' in lines[0] and 'train.steps=2' in lines[0]
+  assert '--config.train.profile_steps' in lines[0]
+  assert not (workdir / 'checkpoints').exists()

@@ -2,10 +2,11 @@
 
 Two train.py processes x 2 simulated CPU devices, joined by jax.distributed on
 localhost (as tests/test_multihost.py runs them), train tests/test_rollback.py's
-poisoned files with its planted NaN and spike: step 5 is skipped, step 6 trips
-the divergence guard, both processes roll back to step 4 and skip global
-batches [4, 7). Process 0 writes the log and renames; the other waits at the
-barriers, and both restore from the shared checkpoint directory.
+poisoned files with its planted NaN and spike: step 5 is skipped (so state 4,
+which it judges, is unhealthy), step 6 trips the divergence guard, both
+processes roll back to step 3 and skip global batches [3, 7). Process 0 writes
+the log and renames; the other waits at the barriers, and both restore from
+the shared checkpoint directory.
 
 The references: two processes told from their start to skip the same window
 (train.skip_batches), which never read a poisoned batch: the recovery ends
@@ -123,11 +124,11 @@ def test_two_processes_recover_as_one_and_bit_identical_to_a_run_told_to_skip(
   (one, one_state), (two, two_state) = one_process, two_processes
   log = read_log(two)
   assert len(log) == 1 and (log[0]['trigger_step'], log[0]['restored_step'],
-                            log[0]['skip']) == (6, 4, WINDOW)
+                            log[0]['skip']) == (6, 3, WINDOW)
   assert log == read_log(one)  # one entry, written once (by process 0)
   assert committed(two) == committed(one) == list(range(1, STEPS + 1))
   aside = sorted(p.name for p in (two / 'checkpoints').iterdir() if p.name.startswith('rolled'))
-  assert aside == ['rolledback.step_5.1']
+  assert aside == ['rolledback.step_4.1', 'rolledback.step_5.1']
   assert_params_close(flat(one_state.params), flat(two_state.params))
   told = tmp_path / 'told'
   skip = (*WINDOW, LR['train.rollback_lr_factor'], LR['train.rollback_lr_steps'])

@@ -137,20 +137,20 @@ def test_an_uncommitted_prefix_is_ignored_then_tidied(gcs_server, cut, monkeypat
   directory = f'gs://{gcs_server[1]}/run/checkpoints'
   with checkpoint.Checkpointer(directory, fsync=False) as ckpt:
     ckpt.save(1, small_state())
-  real_write = checkpoint.chunk_store.write_durable
+  real_write = storage.write_atomic  # metadata.json and COMMIT are written whole through it
 
-  def killed(path, text, fsync):
+  def killed(path, data, fsync=True):
     if cut == 'before_commit' and path.endswith('/COMMIT'):
       raise KeyboardInterrupt('killed')
     if cut == 'before_metadata' and path.endswith('metadata.json'):
       raise KeyboardInterrupt('killed')
-    real_write(path, text, fsync)
-  monkeypatch.setattr(checkpoint.chunk_store, 'write_durable', killed)
+    real_write(path, data, fsync)
+  monkeypatch.setattr(storage, 'write_atomic', killed)
   ckpt = checkpoint.Checkpointer(directory, fsync=False)
   ckpt.save(2, small_state())
   with pytest.raises(checkpoint.CheckpointSaveError):
     ckpt.wait()
-  monkeypatch.setattr(checkpoint.chunk_store, 'write_durable', real_write)
+  monkeypatch.setattr(storage, 'write_atomic', real_write)
   # A kill leaves the prefix as it was; the failed save above removed its own. Re-create
   # what a kill leaves: the chunks (and metadata.json) without COMMIT.
   assert storage.listdir(directory) == ['step_1']
@@ -302,15 +302,23 @@ def test_a_stalled_server_is_abandoned_not_waited_on(s3_server):
   assert step_dirs.committed_steps(directory) == []
 
 
-def test_local_file_fetches_a_url_once(s3_server, tmp_path, monkeypatch):
-  """Libraries that open only local files (tokenizers) get a cached copy of a bucket file."""
+@pytest.mark.parametrize('server', ['s3', 'gcs'])
+def test_local_view_follows_the_object(server, request, tmp_path, monkeypatch):
+  """Libraries that open only local files (tokenizers) get a local copy of a bucket object,
+  checked against the object on every use: a replaced object is fetched again, a deleted
+  one is an error, never the stale copy."""
   monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
-  url = f's3://{s3_server[1]}/mix/tokenizer.json'
+  bucket = request.getfixturevalue(f'{server}_server')[1]
+  url = f'{"s3" if server == "s3" else "gs"}://{bucket}/mix/tokenizer.json'
   storage.write(url, b'{"tokenizer": 1}')
-  path = storage.local_file(url)
+  path = storage.local_view(url)
   assert path.startswith(str(tmp_path / 'cache')) and open(path, 'rb').read() == b'{"tokenizer": 1}'
-  storage.delete(url)  # the copy stands in for it from now on
-  assert storage.local_file(url) == path
+  assert storage.local_view(url + '/') == path  # one copy per object, whatever the spelling
+  storage.write(url, b'{"tokenizer": 2, "another": "corpus"}')  # prepared again, same path
+  assert open(storage.local_view(url), 'rb').read() == b'{"tokenizer": 2, "another": "corpus"}'
+  storage.delete(url)
   with pytest.raises(FileNotFoundError):
-    storage.local_file(f's3://{s3_server[1]}/mix/missing.json')
-  assert storage.local_file('data/tokenizer.json') == 'data/tokenizer.json'
+    storage.local_view(url)
+  with pytest.raises(FileNotFoundError):
+    storage.local_view(str(tmp_path / 'missing.json'))
+  assert storage.local_view('data/tokenizer.json') == 'data/tokenizer.json'

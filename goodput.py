@@ -1,0 +1,306 @@
+"""Where a run's wall time went, across every restart: goodput and badput by category.
+
+    account = goodput.Account(workdir)       # at process start (train.py)
+    account.switch('training prep')          # everything from now on is prep ...
+    with account.phase('data loading'): ...  # ... except this block
+    account.record(step)                     # <workdir>/goodput/<start>.json, process 0
+    goodput.summary(workdir)                 # the whole run: every process so far
+
+Each process (a start of train.py) keeps a phase clock: at any moment exactly
+one category is running, so its categories add up to its own wall time, from
+the process's start as the OS records it (imports included) to its last
+record. Process 0 rewrites its record at every log and save step and at exit,
+so a SIGKILL loses only the time since the last log line; that time, and the
+gap before the next start, count as `infrastructure recovery`.
+
+Category names are ml-goodput-measurement's (MaxText's goodput reports), in
+words: `productive` (goodput), and the badput buckets `tpu initialization`
+(accelerator and distributed start-up, imports), `training prep` (config,
+data, mesh, state, evaluators), `program startup` (the first step: trace and
+compile), `data loading` (the loop waiting on its loader), `checkpoint save`
+(the blocking part) and `checkpoint restore`, `wasted progress` (steps later
+computed again: past the checkpoint a restart or rollback resumed from),
+`infrastructure recovery` (between processes), `custom/...` (held-out and
+downstream evaluation, rollbacks) and `other`.
+
+Wasted progress: each process records, per stretch of consecutive steps (a
+segment, a new one after each rollback), its productive seconds at the
+segment's first step, at each checkpoint save and at its last record. When a
+later segment starts at step R, every earlier segment's seconds past R move
+from productive to wasted (exact at a save step, which is where a resume
+starts; interpolated otherwise).
+"""
+
+import contextlib
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from absl import logging
+import jax
+
+import storage
+
+FOLDER = 'goodput'
+PRODUCTIVE = 'productive'
+RECOVERY = 'infrastructure recovery'
+WASTED = 'wasted progress'
+# ml-goodput-measurement's BadputType, in words, in its order; `custom/<event>` adds to these.
+BADPUT = ('tpu initialization', 'training prep', 'program startup', 'data loading',
+          'checkpoint save', 'checkpoint restore', WASTED, RECOVERY, 'other')
+
+
+def process_start_time() -> float:
+  """This process's start as Unix time: its age from /proc (10 ms), else this module's import."""
+  try:
+    with open('/proc/self/stat') as f:
+      ticks = int(f.read().rpartition(')')[2].split()[19])  # field 22: starttime, clock ticks
+    with open('/proc/uptime') as f:
+      uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf('SC_CLK_TCK'))
+  except (OSError, ValueError, IndexError):
+    return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+class Account:
+  """One process's phase clock and its record in <workdir>/goodput/ (process 0 writes)."""
+
+  def __init__(self, workdir: str, start: float | None = None):
+    self.workdir, self.folder = workdir, storage.join(workdir, FOLDER)
+    self.start = process_start_time() if start is None else start
+    self.writes = False  # until __enter__: nothing goes to a workdir before train.py locks it
+    self.previous: list[dict[str, Any]] = []  # the run's earlier processes
+    self.name = f'{int(self.start * 1e6):020d}.json'  # sorts by start time
+    self.seconds: dict[str, float] = {}
+    self.current = 'tpu initialization'  # until the first switch: imports, backends
+    self.since = time.time()
+    self.seconds[self.current] = self.since - self.start
+    self.segments: list[dict[str, Any]] = []
+    self.first_step_s: float | None = None
+    self.exit_code: int | None = None
+
+  def __enter__(self) -> 'Account':
+    """Reads the run's earlier records; process 0 writes this one's from now on."""
+    self.previous = read_sessions(self.workdir)
+    self.writes = jax.process_index() == 0
+    if self.writes:
+      storage.makedirs(self.folder)
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    """The final record, and the run's account in one line (every process prints it)."""
+    code = 0 if error is None else getattr(error, 'exit_code', 1)
+    if isinstance(error, SystemExit):
+      code = error.code if isinstance(error.code, int) else 1
+    self.switch('other')
+    self.exit_code = code
+    self.record()
+    print(line(self.summary()), flush=True)
+
+  # --- the clock ---
+
+  def switch(self, category: str) -> str:
+    """From now on the time goes to `category`; returns the one that was running."""
+    now = time.time()
+    self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.since
+    previous, self.current, self.since = self.current, category, now
+    return previous
+
+  @contextlib.contextmanager
+  def phase(self, category: str):
+    previous = self.switch(category)
+    try:
+      yield
+    finally:
+      self.switch(previous)
+
+  def elapsed(self) -> float:
+    return time.time() - self.start
+
+  def now_seconds(self, now: float | None = None) -> dict[str, float]:
+    """Seconds per category so far (to `now`), the running one included."""
+    out = dict(self.seconds)
+    out[self.current] = out.get(self.current, 0.0) + (now or time.time()) - self.since
+    return out
+
+  # --- steps ---
+
+  def begin_segment(self, step: int) -> None:
+    """Steps after `step` follow, productive from now (at the loop's start, and after a
+    rollback restored `step`)."""
+    self.segments.append({'from': step, 'marks': [[step, self._productive(), True]]})
+    self.switch(PRODUCTIVE)
+
+  def mark(self, step: int, saved: bool = False) -> None:
+    """Productive seconds through `step`: kept at a save (a resume there is exact); otherwise
+    the segment's moving last mark."""
+    if not self.segments:
+      return
+    marks = self.segments[-1]['marks']
+    point = [step, self._productive(), saved]
+    if not marks[-1][2]:
+      marks[-1] = point
+    elif marks[-1][0] != step:
+      marks.append(point)
+
+  def _productive(self) -> float:
+    return self.now_seconds().get(PRODUCTIVE, 0.0)
+
+  def first_step(self) -> float:
+    """Called when this process's first step is done: the time to first step (s)."""
+    self.first_step_s = self.elapsed()
+    return self.first_step_s
+
+  # --- the record ---
+
+  def as_dict(self) -> dict[str, Any]:
+    now = time.time()
+    return {'start': self.start, 'end': now, 'host': socket.gethostname(),
+            'pid': os.getpid(), 'processes': jax.process_count(),
+            'seconds': self.now_seconds(now), 'segments': self.segments,
+            'time to first step (s)': self.first_step_s, 'exit_code': self.exit_code}
+
+  def record(self, step: int | None = None, save: bool = False) -> None:
+    """Writes this process's record (process 0), marking the progress through `step`."""
+    if step is not None:
+      self.mark(step, saved=save)
+    if not self.writes:
+      return
+    try:
+      storage.write_atomic(storage.join(self.folder, self.name), json.dumps(self.as_dict()),
+                           fsync=False)
+    except OSError as e:  # the account must never stop a run
+      logging.warning('Could not write the goodput record: %s', e)
+
+  def summary(self) -> dict[str, Any]:
+    """The run's account: every earlier process and this one so far (summarize)."""
+    return summarize(self.previous + [self.as_dict()])
+
+  def first_step_done(self, step: int, step_metrics: Any, writer: Any) -> None:
+    """After this process's first step (waited for): `time to first step (s)`, from the
+    process's start, printed and logged (writer: metrics.MetricWriter)."""
+    jax.block_until_ready(step_metrics)
+    seconds = self.first_step()
+    print(f'time to first step {seconds:.1f}s (process start to step {step})', flush=True)
+    writer.write(step, {'goodput/time to first step (s)': seconds})
+
+
+# --- The run's account ----------------------------------------------------------------
+
+
+def read_sessions(workdir: str) -> list[dict[str, Any]]:
+  """Every process record in <workdir>/goodput, oldest first."""
+  folder = storage.join(workdir, FOLDER)
+  out = []
+  for name in sorted(storage.listdir(folder)):
+    if not name.endswith('.json'):
+      continue
+    try:
+      out.append(json.loads(storage.read_text(storage.join(folder, name)) or ''))
+    except json.JSONDecodeError:
+      continue  # cannot happen with atomic writes; a stray file is no reason to fail
+  return sorted(out, key=lambda s: s['start'])
+
+
+def _seconds_at(marks: list[list], step: int) -> float:
+  """Productive seconds of a segment through `step`, interpolated between its marks."""
+  if step <= marks[0][0]:
+    return marks[0][1]
+  for (s0, t0, *_), (s1, t1, *_) in zip(marks, marks[1:]):
+    if s0 <= step <= s1:
+      return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
+  return marks[-1][1]
+
+
+def summary(workdir: str) -> dict[str, Any]:
+  """The account of the run in `workdir` from its records (scripts/goodput.py)."""
+  return summarize(read_sessions(workdir))
+
+
+def summarize(sessions: list[dict[str, Any]]) -> dict[str, Any]:
+  """Seconds and % per category, wall time and goodput of processes' records (oldest
+  first); see the module's docstring."""
+  sessions = sorted(sessions, key=lambda s: s['start'])
+  seconds: dict[str, float] = {}
+  kept: list[list[list]] = []  # the marks of every segment whose steps still count
+  wasted = 0.0
+  for i, s in enumerate(sessions):
+    for name, value in s['seconds'].items():
+      seconds[name] = seconds.get(name, 0.0) + value
+    for segment in s['segments']:
+      resume = segment['from']
+      for k, marks in enumerate(kept):
+        if marks[-1][0] > resume:
+          at = _seconds_at(marks, resume)
+          wasted += marks[-1][1] - at
+          kept[k] = [m for m in marks if m[0] < resume] + [[resume, at, True]]
+      kept.append([list(m) for m in segment['marks']])
+    if i + 1 < len(sessions):
+      seconds[RECOVERY] = seconds.get(RECOVERY, 0.0) + max(
+          0.0, sessions[i + 1]['start'] - s['end'])
+  seconds[PRODUCTIVE] = seconds.get(PRODUCTIVE, 0.0) - wasted
+  seconds[WASTED] = wasted
+  wall = sessions[-1]['end'] - sessions[0]['start'] if sessions else 0.0
+  first = [s['time to first step (s)'] for s in sessions if s.get('time to first step (s)')]
+  return {'wall (s)': wall, 'seconds': seconds, 'starts': len(sessions),
+          'percent': {k: 100 * v / wall for k, v in seconds.items()} if wall else {},
+          'time to first step (s)': first[-1] if first else None}
+
+
+def metrics(account: dict[str, Any]) -> dict[str, float]:
+  """`goodput/...` records for metrics.jsonl, TensorBoard and W&B."""
+  out = {'goodput/goodput (%)': account['percent'].get(PRODUCTIVE, 0.0),
+         'goodput/wall time (s)': account['wall (s)'],
+         'goodput/productive time (s)': account['seconds'].get(PRODUCTIVE, 0.0),
+         'goodput/starts': float(account['starts'])}
+  for name, value in account['percent'].items():
+    if name != PRODUCTIVE:
+      out[f'goodput/badput/{name} (%)'] = value
+  return out
+
+
+def line(account: dict[str, Any]) -> str:
+  """'goodput 91.2% of 1h02m over 3 starts; badput: training prep 3.1%, ...' (largest first)."""
+  pct = account['percent']
+  bad = sorted(((v, k) for k, v in pct.items() if k != PRODUCTIVE and v >= 0.05), reverse=True)
+  return (f"goodput {pct.get(PRODUCTIVE, 0.0):.1f}% of {_duration(account['wall (s)'])} over "
+          f"{account['starts']} start{'s' * (account['starts'] != 1)}; badput: "
+          + (', '.join(f'{k} {v:.1f}%' for v, k in bad) or 'none'))
+
+
+def _duration(seconds: float) -> str:
+  s = int(round(seconds))
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{seconds:.1f}s'
+
+
+# --- The persistent compilation cache -----------------------------------------------------
+
+
+def compilation_cache(setting: str, workdir: str) -> str:
+  """Turns on JAX's persistent compilation cache (train.compilation_cache_dir); returns its
+  folder ('' when off).
+
+  JAX keys each entry by the program (HLO), the devices and the compiler flags,
+  so a restart, or another host of the same kind, finds what an earlier
+  process compiled. 'auto': JAX_COMPILATION_CACHE_DIR (or a folder already
+  set) if any, else <workdir>/xla_cache for a local workdir, and for a bucket
+  $XDG_CACHE_HOME (~/.cache)/olmo3_jax/<workdir's tag>/xla_cache on each host;
+  '' is off. Every program is cached, however quick to compile: a restart
+  pays for none of them.
+  """
+  if not setting:
+    return ''
+  folder = jax.config.jax_compilation_cache_dir if setting == 'auto' else setting
+  if not folder:
+    folder = storage.local_cache_dir(workdir, 'xla_cache')
+  jax.config.update('jax_compilation_cache_dir', folder)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  return folder

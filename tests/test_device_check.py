@@ -1,0 +1,33 @@
+"""bench/device_check.py, the first GPU's check, run in its CPU miniature so it cannot rot.
+
+On CPU the attention check compares JAX's XLA attention with
+model.reference_attention (cuDNN needs a GPU); the restart check must show the
+second child served by JAX's persistent compilation cache (its own events).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # three processes compile the tiny slice: ~1-4 min on 2 cores
+def test_tiny_device_check_runs_and_reports_every_number(tmp_path):
+  out = tmp_path / 'result.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--tiny',
+                         f'--out={out}', '--steps=2'], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert 'device check passed' in proc.stdout
+  r = json.loads(out.read_text())
+  assert r['platform'] == 'cpu' and r['tiny']
+  assert all(a['ok'] for a in r['attention'].values())
+  assert r['step']['step (s)'] > 0 and r['step']['MFU'] > 0
+  assert r['predicted peak (GB)'] > 0
+  assert r['restart']['cold']['cache hits'] == 0 < r['restart']['warm']['cache hits']

@@ -1,0 +1,168 @@
+"""goodput.py: the run's account across restarts, against hand arithmetic and a real kill.
+
+The end-to-end test SIGKILLs train.py between two checkpoints and resumes it:
+the steps the killed process took past its last committed checkpoint are
+computed again, so their time must land in `wasted progress`, not in goodput.
+The reference for that time is the killed process's own `time/step` records
+(metrics.py's throughput window, a separate clock), and the reference for the
+wall time is this test's clock around the two processes.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+import goodput
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def session(start, end, seconds, segments):
+  return {'start': start, 'end': end, 'seconds': seconds, 'segments': segments,
+          'time to first step (s)': 5.0}
+
+
+def test_wasted_progress_and_recovery_by_hand():
+  # Process A: steps 0..16 at 5 s a step, a save at step 10 (40 s of steps), killed after its
+  # record at 16 (80 s). Process B starts 10 s later, resumes at 10 and takes steps 10..20.
+  a = session(0.0, 100.0, {'tpu initialization': 10.0, goodput.PRODUCTIVE: 80.0,
+                           'other': 10.0},
+              [{'from': 0, 'marks': [[0, 0.0, True], [10, 40.0, True], [16, 80.0, False]]}])
+  b = session(110.0, 200.0, {'training prep': 30.0, goodput.PRODUCTIVE: 60.0},
+              [{'from': 10, 'marks': [[10, 0.0, True], [20, 60.0, False]]}])
+  account = goodput.summarize([b, a])  # any order: sorted by start
+  s = account['seconds']
+  assert account['wall (s)'] == 200.0 and account['starts'] == 2
+  assert s[goodput.WASTED] == 80.0 - 40.0  # steps 11..16 of A, computed again by B
+  assert s[goodput.PRODUCTIVE] == 80.0 + 60.0 - 40.0
+  assert s[goodput.RECOVERY] == 110.0 - 100.0
+  assert sum(s.values()) == pytest.approx(account['wall (s)'])
+  assert account['percent'][goodput.PRODUCTIVE] == pytest.approx(50.0)
+
+  # A resume between marks is interpolated (step 13: 40 + 3/6 * 40 = 60 s kept).
+  b['segments'][0]['from'] = 13
+  assert goodput.summarize([a, b])['seconds'][goodput.WASTED] == pytest.approx(20.0)
+  # A rollback inside one process: its second segment restarts at step 10.
+  c = session(0.0, 100.0, {goodput.PRODUCTIVE: 100.0},
+              [{'from': 0, 'marks': [[0, 0.0, True], [10, 30.0, True], [14, 50.0, False]]},
+               {'from': 10, 'marks': [[10, 50.0, True], [20, 100.0, False]]}])
+  assert goodput.summarize([c])['seconds'][goodput.WASTED] == pytest.approx(20.0)
+  line = goodput.line(goodput.summarize([a, b]))
+  assert line.startswith('goodput ') and 'wasted progress' in line and 'over 2 starts' in line
+
+
+def test_the_phase_clock_adds_up_to_the_process_time(tmp_path):
+  account = goodput.Account(str(tmp_path))
+  with account:
+    account.switch('training prep')
+    time.sleep(0.05)
+    account.begin_segment(0)
+    with account.phase('data loading'):
+      time.sleep(0.05)
+    account.record(3)
+  record = json.loads(next((tmp_path / 'goodput').glob('*.json')).read_text())
+  assert sum(record['seconds'].values()) == pytest.approx(record['end'] - record['start'],
+                                                          abs=1e-6)
+  assert record['seconds']['data loading'] >= 0.05
+  # The process's start is the OS's, before this test's imports: older than this account.
+  assert record['start'] <= account.since - 0.05
+  assert record['exit_code'] == 0
+
+
+def test_compilation_cache_setting(tmp_path, monkeypatch):
+  saved = jax.config.jax_compilation_cache_dir
+  try:
+    assert goodput.compilation_cache('', str(tmp_path)) == ''
+    assert jax.config.jax_compilation_cache_dir == saved  # '' leaves JAX as it is
+    jax.config.update('jax_compilation_cache_dir', None)
+    assert goodput.compilation_cache('auto', str(tmp_path)) == str(tmp_path / 'xla_cache')
+    assert goodput.compilation_cache(str(tmp_path / 'x'), 'gs://b/run') == str(tmp_path / 'x')
+    jax.config.update('jax_compilation_cache_dir', None)
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'home'))
+    bucket = goodput.compilation_cache('auto', 'gs://bucket/run')
+    assert bucket.startswith(str(tmp_path / 'home' / 'olmo3_jax')) and bucket.endswith('xla_cache')
+  finally:
+    jax.config.update('jax_compilation_cache_dir', saved)
+
+
+CACHE_CHILD = '''
+import sys, time
+sys.path.insert(0, {repo!r})
+import jax, jax.numpy as jnp
+import goodput
+jax.monitoring.register_event_listener(lambda event, **kw: print(event))
+goodput.compilation_cache({folder!r}, '/unused')
+def f(x):
+  for i in range(20):
+    x = jnp.tanh(x @ x.T) + i
+  return x
+jax.jit(f)(jnp.ones((32, 32))).block_until_ready()
+'''
+
+
+def test_a_second_process_hits_jax_persistent_cache(tmp_path):
+  """JAX's own cache, on this jaxlib and CPU: the second process compiles nothing."""
+  script = tmp_path / 'child.py'
+  script.write_text(CACHE_CHILD.format(repo=str(REPO), folder=str(tmp_path / 'cache')))
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  logs = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout for _ in range(2)]
+  hit = '/jax/compilation_cache/cache_hits'  # JAX's own monitoring event
+  assert hit not in logs[0] and hit in logs[1], logs
+  assert any(p.name.startswith('jit_f-') for p in (tmp_path / 'cache').iterdir())
+
+
+@pytest.mark.slow  # two train.py processes: ~2 min on a loaded 2-core machine
+def test_sigkill_and_resume_counts_the_redone_steps_as_wasted(tmp_path):
+  # pylint: disable-next=import-outside-toplevel
+  from test_multihost import metrics, spawn_train, train_args, trainer_env, wait_for_step
+  ckpt_every = 4
+  began = time.time()
+  proc = spawn_train(tmp_path, 100_000, ckpt_every, log=tmp_path / 'log1')
+  try:
+    wait_for_step(tmp_path, 2 * ckpt_every + 2, proc, timeout=600)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+  finally:
+    proc.kill()
+  committed = max(int(p.name[5:]) for p in (tmp_path / 'checkpoints').glob('step_*')
+                  if (p / 'COMMIT').exists())
+  killed = json.loads(next((tmp_path / 'goodput').glob('*.json')).read_text())
+  recorded = killed['segments'][-1]['marks'][-1][0]  # the last step its record holds
+  assert recorded > committed
+  logged = metrics(tmp_path)  # the killed process's own clock, before the resume drops them
+  redone = [logged[s]['time/step'] for s in range(committed + 1, recorded + 1)]
+  redone_no_save = [logged[s]['time/step'] for s in range(committed + 1, recorded + 1)
+                    if s % ckpt_every]
+
+  # The account ends at the resumed process's last record, when it prints its line; the
+  # interpreter's own shutdown after that is no part of it.
+  resumed = subprocess.Popen(train_args(tmp_path, committed + 2, ckpt_every), cwd=REPO,
+                             env=trainer_env(2), stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+  lines, ended = [], None
+  for text in resumed.stdout:
+    lines.append(text.rstrip('\n'))
+    if text.startswith('goodput '):
+      ended = time.time()
+  assert resumed.wait(timeout=600) == 0, '\n'.join(lines[-30:])
+  account = goodput.summary(str(tmp_path))
+  s = account['seconds']
+  assert account['starts'] == 2
+  assert 0.5 * sum(redone_no_save) <= s[goodput.WASTED] <= 1.1 * sum(redone) + 0.1
+  assert sum(s.values()) == pytest.approx(account['wall (s)'], rel=1e-9)
+  assert abs(account['wall (s)'] - (ended - began)) <= 0.01 * (ended - began)
+  # The line, at the end of the resumed process; time to first step, logged and printed.
+  assert lines[-1].startswith('goodput ') and 'wasted progress' in lines[-1]
+  assert f'(process start to step {committed + 1})' in '\n'.join(lines)
+  records = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert any('goodput/time to first step (s)' in r for r in records)
+  assert records[-1]['goodput/badput/wasted progress (%)'] > 0
