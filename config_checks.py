@@ -121,8 +121,8 @@ def complete(cfg: ml_collections.ConfigDict, announce: bool = True
     message = f'Filled in from {where}: {", ".join(filled)}' if filled else ''
     if padded:
       message = (message + '; ' if message else 'Filled in: ') + padded
-    logging.info('%s.', message)
-    print(f'{message}.', flush=True)
+    print(f'{message}.', flush=True)  # once: absl's INFO lines reach the same terminal
+    logging.debug('%s.', message)
   return cfg
 
 
@@ -136,6 +136,17 @@ LOCATION_FIELDS = {
     # Memory-mapped caches: local files on every host.
     'data.cache_dir': {'local_only': True}, 'data.remote_cache_dir': {'local_only': True},
 }
+
+
+def check_sources(cfg: ml_collections.ConfigDict) -> None:
+  """What the run reads before step 1 is there now, not after hours of training: the
+  tokenizer file it names (its sample, in-loop evaluation and export) and train.init_from."""
+  if cfg.data.tokenizer:
+    run_tokenizer.find(cfg.data)
+  init_from = cfg.train.init_from
+  if init_from and not storage.exists(init_from) and not storage.isdir(init_from):
+    raise errors.ConfigError(f'train.init_from={init_from!r} does not exist; point '
+                             '--config.train.init_from at a checkpoint or HF directory.')
 
 
 def canonical_locations(cfg: ml_collections.ConfigDict) -> None:

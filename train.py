@@ -49,7 +49,6 @@ import model
 import optim
 import profiler
 import rollback
-import run_tokenizer
 import sample
 import sharding
 import step_dirs
@@ -244,13 +243,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   account = goodput.Account(workdir := storage.check(workdir))  # timed from the process start
   account.switch('training prep')
   config_checks.validate(config_checks.complete(cfg))
-  if cfg.data.tokenizer:  # the file the run names must be readable now, not after training
-    run_tokenizer.find(cfg.data)
-  init_from = cfg.train.init_from and storage.check(cfg.train.init_from,
-                                                    '--config.train.init_from')
-  if init_from and not storage.exists(init_from) and not storage.isdir(init_from):
-    raise errors.ConfigError(f'train.init_from={cfg.train.init_from!r} does not exist; point '
-                             '--config.train.init_from at a checkpoint or HF directory.')
+  config_checks.check_sources(cfg)
   with account.phase('tpu initialization'):
     mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
   goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile

@@ -30,6 +30,11 @@ seconds, not paused, makes the launcher kill the trainer's whole process group
 (SIGKILL) and restart it like a crash. So a --stall_timeout shorter than a
 compile does not kill a trainer that is compiling.
 
+A process of a multi-process run that dies makes the others abort (SIGABRT,
+restarted like any signal death); the trainer's stderr passes through the
+launcher, which reads the lost process's number from jax.distributed's own log
+lines and says it in one `error:` line.
+
 The trainer runs in its own session (process group), so the watchdog reaches
 its children too, and whatever it leaves behind when it exits is killed
 before the next attempt. SIGTERM/SIGINT to the launcher are passed to the
@@ -44,6 +49,7 @@ import argparse
 import datetime
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -62,6 +68,7 @@ import storage  # noqa: E402
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
 PAUSED = b'paused'  # health.PAUSED: the trainer is compiling, the watchdog does not count
 LOG_FLUSH_SECONDS = 15.0  # at exit, the longest wait for launcher.log's last lines
+_TASK = re.compile(rb'^\s*(?:/job:[^/\s]+/replica:\d+/task:)?(\d+)\s*$')  # a listed lost task
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -126,6 +133,39 @@ def describe(rc: int) -> str:
   return f'exited with {rc}: {errors.MEANING.get(rc, "an exit code the launcher does not know")}'
 
 
+class _Relay:
+  """Copies the trainer's stderr to the launcher's as it comes, noting the processes that
+  jax.distributed's coordination service reports lost. When a process of a multi-process
+  run dies, the others abort (SIGABRT) with the service's own log lines and a C++ stack,
+  the only place that names the lost process; the launcher turns that into one line."""
+
+  def __init__(self, stream):
+    self.lost: list[int] = []
+    self.thread = threading.Thread(target=self._copy, args=(stream,), name='trainer-stderr',
+                                   daemon=True)
+    self.thread.start()
+
+  def _copy(self, stream) -> None:
+    listing = False
+    out = getattr(sys.stderr, 'buffer', None)
+    for line in iter(stream.readline, b''):
+      if out is not None:
+        out.write(line)
+        out.flush()
+      else:  # a text-only stderr (a test's capture)
+        sys.stderr.write(line.decode(errors='replace'))
+      if b'tasks are unhealthy' in line:  # the task ids follow, one a line
+        listing = True
+        continue
+      m = _TASK.match(line) if listing else None
+      if m:
+        if int(m.group(1)) not in self.lost:
+          self.lost.append(int(m.group(1)))
+      else:
+        listing = False
+    stream.close()
+
+
 class Launcher:
   """The restart loop; `run()` returns the exit code for the launcher itself."""
 
@@ -136,6 +176,7 @@ class Launcher:
     self.stall_timeout = stall_timeout
     self.ckpt_dir = storage.join(workdir, 'checkpoints')
     self.child: subprocess.Popen | None = None
+    self.lost: list[int] = []  # processes the trainer's last attempt reported lost
     self.stopping = False
     # Every host's launcher appends to the same shared log, and pids repeat across hosts.
     self.tag = f'host={socket.gethostname()} pid={os.getpid()}'
@@ -224,11 +265,15 @@ class Launcher:
     try:
       # Its own session: the watchdog kills the trainer's children with it, and
       # a terminal's Ctrl-C reaches it once, through _forward.
-      self.child = subprocess.Popen(self.command, env=env, start_new_session=True)
+      self.child = subprocess.Popen(self.command, env=env, start_new_session=True,
+                                    stderr=subprocess.PIPE)
+      relay = _Relay(self.child.stderr)
       self.log(f'attempt {attempt}: started pid {self.child.pid} (latest checkpoint: '
                f'{best}): {" ".join(self.command)}')
       stalled = heartbeat is not None and self._watch(attempt, heartbeat)
       rc = self.child.wait()
+      relay.thread.join(10)
+      self.lost = relay.lost
     finally:
       if heartbeat is not None and os.path.exists(heartbeat):
         os.remove(heartbeat)
@@ -269,6 +314,13 @@ class Launcher:
         return 0
       what = 'stalled, killed by the watchdog' if stalled else describe(rc)
       exit_code = rc if rc > 0 else 128 - rc
+      if self.lost and not stalled:
+        lost = ', '.join(str(i) for i in self.lost)
+        print(f'error: process {lost} of this multi-process run was lost (jax.distributed\'s '
+              'coordination service stopped hearing from it: its host died, was preempted or '
+              f'was replaced), so this process aborted ({describe(rc)}); every process of the '
+              'run restarts from the last committed checkpoint.', file=sys.stderr, flush=True)
+        what = f'{what}: process {lost} of the run was lost'
       if not stalled and rc not in errors.RESTARTABLE and signal_of(rc) is None:
         self.log(f'attempt {attempt}: trainer {what}; not restarting (a rerun of the same '
                  'command would repeat it): fix the cause its message names, then relaunch.')

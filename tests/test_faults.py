@@ -192,6 +192,7 @@ def test_the_same_mix_spelled_otherwise_resumes_and_the_fill_in_is_said(tmp_path
   assert first.returncode == 0, first.stderr[-3000:]
   said = [line for line in first.stdout.splitlines() if line.startswith('Filled in from')]
   assert len(said) == 1 and 'data.eos_token_id=0' in said[0] and 'data.tokenizer=' in said[0]
+  assert 'Filled in from' not in first.stderr  # said once on the terminal, not logged again
   assert 'corpus-validation' in said[0], said  # the held-out file, and where it came from
   resumed = train_cli(work, f'--config.data.mix_file={mix}', *TINY, '--config.train.steps=4')
   assert resumed.returncode == 0, resumed.stderr[-3000:]

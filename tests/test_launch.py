@@ -434,3 +434,37 @@ def test_nan_loss_is_skipped_and_the_run_continues(tmp_path, monkeypatch):
   assert np.isfinite(float(m['train/CE loss'])) and float(m['optim/step skipped']) == 0
   assert_bitwise_equal({str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))},
                        {str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(restored))})
+
+
+@pytest.mark.slow
+def test_a_lost_peer_process_is_one_line_naming_it_and_the_run_restarts(tmp_path):
+  """Two jax.distributed processes on localhost; process 1 dies (SIGKILL) once both are up.
+  Process 0 aborts when the coordination service misses process 1's heartbeats (SIGABRT,
+  its own C++ log): the launcher says which process was lost, in one line per attempt, and
+  restarts the run (a signal death), here until --max_failures=2."""
+  port = socket.socket()
+  port.bind(('127.0.0.1', 0))
+  address = f'127.0.0.1:{port.getsockname()[1]}'
+  port.close()
+  body = ('import subprocess\n'
+          'index = int(os.environ.get("PEER_INDEX", "0"))\n'
+          'if index == 0:\n'
+          '  peer = subprocess.Popen([sys.executable, *sys.argv], '
+          'env=dict(os.environ, PEER_INDEX="1"))\n'
+          'import jax\n'
+          f'jax.distributed.initialize({address!r}, 2, index, heartbeat_timeout_seconds=4)\n'
+          'if index == 1:\n'
+          '  time.sleep(1)\n'
+          '  os.kill(os.getpid(), signal.SIGKILL)\n'
+          'time.sleep(120)\n'
+          'sys.exit(0)\n')
+  proc = subprocess.run([sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0',
+                         '--max_failures=2', '--stall_timeout=0', '--',
+                         *fake_trainer(tmp_path, body)], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 128 + signal.SIGABRT, proc.stderr[-4000:]
+  lines = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(lines) == 2 and all('process 1 of this multi-process run was lost' in line
+                                 for line in lines), proc.stderr[-4000:]
+  assert proc.stderr.count('started pid') == 2 and 'restarting in 0 s' in proc.stderr
+  assert 'process 1 of the run was lost' in (tmp_path / 'w' / 'launcher.log').read_text()

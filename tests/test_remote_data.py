@@ -234,7 +234,7 @@ def test_the_cache_makes_a_second_read_issue_no_requests(tmp_path):
     assert np.array_equal(restarted.read(ids), first)
     assert [r for r in stats.requests if r[1] != f'/{MIX}'] == [('GET', f'/{TRAIN}', 'bytes=0-0')]
   assert np.array_equal(first, data.Dataset.from_config(_cfg(str(DATA / MIX)).data).read(ids))
-  with pytest.raises(errors.DataError, match='remote_cache_dir=.* must be a local folder'):
+  with pytest.raises(errors.ConfigError, match='remote_cache_dir=.* is a URL.*local path'):
     remote_tokens.RangeReader('gs://bucket/cache')
 
 
