@@ -152,7 +152,7 @@ def canonical_flags() -> None:
 
 
 def is_hf(path: str) -> bool:
-  return os.path.exists(os.path.join(path, 'config.json'))
+  return storage.exists(storage.join(path, 'config.json'))
 
 
 def compare_reference() -> tuple[str, bool]:

@@ -1,13 +1,20 @@
-"""Where a run keeps its state: a local or shared path, or a gs:// or s3:// bucket.
+"""Where bytes live: the one module that knows a local or shared path from a bucket.
 
-Every file a run writes or a checkpoint reader opens goes through these
-functions, given a *location*: a POSIX path ('runs/x', '/mnt/nfs/run') or a URL
-('gs://bucket/run', 's3://bucket/run'; 'http(s)://host/dir' for reading data).
-Object stores are reached through tensorstore's key-value stores (its `gcs`,
-`s3` and `http` drivers), the same library that writes the checkpoint arrays,
-so no cloud SDK is needed. A scheme the project does not know ('gcs://',
-'gs:/x', 'hdfs://', 'file://') is refused in one line (`check`) and never
-becomes a local folder.
+Every file or folder a tool reads or writes is a *location*: a POSIX path
+('runs/x', '/mnt/nfs/run') or a URL ('gs://bucket/run', 's3://bucket/run';
+'http(s)://host/dir' to read data). What a user typed becomes one canonical
+location here (`canonical`: one spelling per place; a malformed or unknown URL
+is refused in one line and never becomes a local folder), and every operation
+that differs between a filesystem and an object store is here with both its
+implementations: whole-object reads and writes, appends, local views of
+remote files (`local_view`), commits (a rename, or a marker written last),
+listings and deletes, and the tools' inputs and outputs (globs, uploads).
+Callers have one code path; the few that keep two implementations of their
+own ask for a capability (`renames`, `appends`, `maps`, `locks`), listed with
+reasons in tests/test_seam.py. That is why this module is longer than the
+others: splitting it would scatter the question it exists to answer. The
+transport under it (tensorstore's stores, retries, error classes) is
+kvstores.py, which only this module imports.
 
 What object stores guarantee, and where this code relies on it:
 
@@ -22,56 +29,36 @@ What object stores guarantee, and where this code relies on it:
     win. (The fake-gcs-server emulator ignores the precondition on the uploads
     tensorstore makes; moto's S3 server honours it.)
   * No rename, no fsync, no directory order. A checkpoint is committed by writing
-    COMMIT last under its final prefix instead of renaming (checkpoint.py); a
+    COMMIT last under its final prefix instead of renaming (`commit`); a
     listing is sorted here; `rename_tree` copies then deletes (rare paths only:
     setting aside a corrupt or rolled-back step).
   * Listing is consistent with completed writes (both stores), so a committed
     step is always found by `listdir`.
-
-Retries: each store's client retries 5xx answers and dropped connections with
-exponential backoff (tensorstore's `*_request_retries`), and a transfer that
-stalls (under 1 byte/s for OLMO_STORAGE_STALL_SECONDS, default 60) is aborted
-and retried, so a stalled server cannot hang a save. Concurrency per store is
-bounded (`*_request_concurrency`, OLMO_STORAGE_CONCURRENCY, default 32).
-
-Credentials come from each store's standard environment: Google application
-default credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud, the metadata
-server) and the AWS chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); without any, the
-request is anonymous, which public buckets answer. Endpoints for other S3
-services and emulators: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; GCS emulators:
-TENSORSTORE_GCS_HTTP_URL.
 """
 
 import concurrent.futures
-import functools
 import hashlib
-import json
 import os
 import re
 import shutil
 import time
 import uuid
-from typing import Any
 
 import tensorstore as ts
-from absl import logging
 
 import errors
+import kvstores
 
-OBJECT_SCHEMES = ('gs', 's3')  # writable object stores
-READ_SCHEMES = ('http', 'https')  # read-only (token files)
-MISSING = b'\x02'  # tensorstore's generation of a key that does not exist (NoValue)
-_URL_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*):(//)?(.*)$')
+# The transport's names that callers reach through this module, their one seam.
+MISSING, OBJECT_SCHEMES, READ_SCHEMES = (kvstores.MISSING, kvstores.OBJECT_SCHEMES,
+                                         kvstores.READ_SCHEMES)
+StorageError, StorageConfigError = kvstores.StorageError, kvstores.StorageConfigError
+scheme, describe, bucket_and_key = kvstores.scheme, kvstores.describe, kvstores.bucket_and_key
+kvstore, kvstore_spec, context = kvstores.kvstore, kvstores.kvstore_spec, kvstores.context
+credentials_hint = kvstores.credentials_hint
+
 _SIZE_RE = re.compile(r'(?:total size|value of size) (\d+)')
 _COPY_THREADS = 16  # rename_tree's parallel object copies (one chunk in memory each)
-
-
-def scheme(location: str) -> str:
-  """'gs', 's3', 'http', 'https', or '' for a local path (a str or os.PathLike)."""
-  m = _URL_RE.match(os.fspath(location))
-  if not m or (len(m.group(1)) == 1 and os.name == 'nt'):  # C:\ on Windows
-    return ''
-  return m.group(1).lower()
 
 
 def is_url(location: str) -> bool:
@@ -120,7 +107,7 @@ def canonical(text: str, what: str = '--workdir', *, writes: bool = True,
         f'{what}={text!r} is a URL, but this is read and written on a local path; copy it '
         'down or up with `gcloud storage cp -r` / `aws s3 cp --recursive`.')
   known = OBJECT_SCHEMES + (() if writes else READ_SCHEMES)
-  m = _URL_RE.match(text)
+  m = kvstores.URL_RE.match(text)
   kinds = 'gs://BUCKET/PATH or s3://BUCKET/PATH' + ('' if writes else ' (or http(s)://HOST/PATH)')
   if s not in known or not m.group(2) or not m.group(3).split('/')[0]:
     reads_only = s in READ_SCHEMES and writes
@@ -236,7 +223,7 @@ def local_view(location: str) -> str:
   try:
     r = store.read(key, if_not_equal=cached).result() if cached else store.read(key).result()
   except ValueError as e:
-    raise _failed('reading', url, e) from e
+    raise kvstores.failed('reading', url, e) from e
   if r.state == 'missing':
     raise FileNotFoundError(f'{url} does not exist.')
   if r.state == 'value':  # new, or changed since it was cached
@@ -266,215 +253,6 @@ def unwritable(location: str) -> str | None:
   return None
 
 
-def describe(location: str) -> str:
-  """What kind of storage, in words, for log lines."""
-  return {'gs': 'Google Cloud Storage', 's3': 'S3', 'http': 'HTTP',
-          'https': 'HTTPS'}.get(scheme(location), 'a local or shared filesystem')
-
-
-# --- tensorstore key-value stores -------------------------------------------------------
-
-
-def _env_int(name: str, default: int) -> int:
-  try:
-    return int(os.environ.get(name, default))
-  except ValueError:
-    raise errors.ConfigError(f'${name}={os.environ[name]!r} is not an integer.') from None
-
-
-@functools.cache
-def context() -> ts.Context:
-  """The one tensorstore Context for remote stores: bounded concurrency, retries, stalls.
-
-  Created on first use, before tensorstore starts its HTTP transport, which
-  reads the curl low-speed settings from the environment then.
-  """
-  # tensorstore's own variables stand unless ours is set (a parent process that used
-  # storage passes its defaults on to its children, which must not mask their setting).
-  stall = str(_env_int('OLMO_STORAGE_STALL_SECONDS', 60))
-  set_value = os.environ.__setitem__ if 'OLMO_STORAGE_STALL_SECONDS' in os.environ else (
-      os.environ.setdefault)
-  set_value('TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS', stall)
-  set_value('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
-  limit = _env_int('OLMO_STORAGE_CONCURRENCY', 32)
-  retries = {'max_retries': _env_int('OLMO_STORAGE_RETRIES', 8), 'initial_delay': '0.5s',
-             'max_delay': '32s'}
-  spec = {}
-  for driver in ('gcs', 's3', 'http'):
-    spec[f'{driver}_request_retries'] = retries
-    spec[f'{driver}_request_concurrency'] = {'limit': limit}
-  return ts.Context(spec)
-
-
-def bucket_and_key(location: str) -> tuple[str, str]:
-  rest = _URL_RE.match(location).group(3)
-  bucket, _, key = rest.partition('/')
-  return bucket, key
-
-
-def kvstore_spec(location: str) -> dict[str, Any]:
-  """A tensorstore kvstore spec whose path is `location` (a 'directory': end it with '/')."""
-  s = scheme(location)
-  if not s:
-    return {'driver': 'file', 'path': os.path.abspath(location) + (
-        '/' if location.endswith('/') else '')}
-  if s in READ_SCHEMES:
-    base, _, key = location.rpartition('/')
-    return {'driver': 'http', 'base_url': base + '/', 'path': key}
-  bucket, key = bucket_and_key(location)
-  if s == 'gs':
-    return {'driver': 'gcs', 'bucket': bucket, 'path': key}
-  spec = {'driver': 's3', 'bucket': bucket, 'path': key}
-  endpoint = os.environ.get('AWS_ENDPOINT_URL_S3') or os.environ.get('AWS_ENDPOINT_URL')
-  if endpoint:
-    spec['endpoint'] = endpoint
-  region = os.environ.get('AWS_REGION') or os.environ.get('AWS_DEFAULT_REGION')
-  if region:
-    spec['aws_region'] = region
-  if (os.environ.get('AWS_ACCESS_KEY_ID') and os.environ.get('AWS_SECRET_ACCESS_KEY')
-      and not os.environ.get('AWS_PROFILE')):
-    # Keys in the environment: only that provider. The default chain would also try
-    # ~/.aws/config and ~/.aws/credentials and log an error line for each that is absent,
-    # at every start, about files the keys make unnecessary.
-    spec['aws_credentials'] = {'type': 'environment'}
-  return spec
-
-
-@functools.lru_cache(maxsize=64)
-def _open(root: str, gcs_url: str | None) -> ts.KvStore:
-  del gcs_url  # part of the cache key: tensorstore reads it when a gcs store opens
-  spec = json.loads(root)
-  ctx = context() if spec['driver'] != 'file' else None
-  return ts.KvStore.open(spec, context=ctx).result()
-
-
-def kvstore(location: str) -> tuple[ts.KvStore, str]:
-  """(the opened store holding `location` at its root, the key of `location` in it). Stores
-  are opened once and shared; callers may issue many reads at once as futures
-  (remote_tokens.py reads a batch's byte ranges this way)."""
-  spec = kvstore_spec(location)
-  key = spec.pop('path')
-  try:
-    return _open(json.dumps(spec, sort_keys=True),
-                 os.environ.get('TENSORSTORE_GCS_HTTP_URL')), key
-  except ValueError as e:  # the driver refuses the spec: a bucket name the store rejects
-    if spec['driver'] in ('gcs', 's3'):
-      raise StorageConfigError(
-          f'{describe(location)} rejects {location}: {" ".join(str(e).split())}. Correct the '
-          'bucket name (GCS: 3-63 lowercase letters, digits, "-", "_" and "."; S3: 3-63 '
-          'lowercase letters, digits, "-" and ".").', _store_of(location)) from e
-    raise
-
-
-class StorageError(OSError):
-  """The storage failed an operation after the client's retries: a rerun may succeed
-  (EXIT_CRASH, which scripts/launch.py restarts). `failed_store` ('gs://BUCKET',
-  's3://BUCKET', '' when unknown) is the store that failed: errors.one_line does not
-  append the stack to a log kept there, which would wait out the same failure again."""
-
-  def __init__(self, message: str, failed_store: str = ''):
-    super().__init__(message)
-    self.failed_store = failed_store
-
-
-class StorageConfigError(errors.UserError, StorageError):
-  """The store refused a request for a reason a rerun repeats: the bucket does not exist,
-  its name is invalid, or the credentials may not use it (EXIT_USAGE, not restarted)."""
-
-
-# tensorstore's status codes (its error's first word) by the fault they mean.
-_DENIED = ('PERMISSION_DENIED', 'UNAUTHENTICATED')
-_DENIED_HTTP = ("http_response_code='401'", "http_response_code='403'")
-_WAIT_NOTICE_SECONDS = 10.0  # the first "still waiting" line; each next after twice as long
-
-
-def retry_budget_seconds() -> float:
-  """The longest the client's backoff between attempts of one request adds up to
-  (OLMO_STORAGE_RETRIES, 0.5 s doubling to 32 s: 95.5 s for the default 8 retries)."""
-  return sum(min(32.0, 0.5 * 2 ** k) for k in range(_env_int('OLMO_STORAGE_RETRIES', 8)))
-
-
-def credentials_hint(location: str) -> str:
-  """Where each store takes its credentials from, for an access-denied message."""
-  s = scheme(location)
-  if s == 'gs':
-    return ('give Google credentials that may use the bucket (GOOGLE_APPLICATION_CREDENTIALS='
-            'key.json, `gcloud auth application-default login`, or a VM service account)')
-  if s == 's3':
-    return ('give AWS credentials that may use the bucket (AWS_ACCESS_KEY_ID and '
-            'AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), and AWS_REGION / AWS_ENDPOINT_URL for a '
-            'non-AWS store')
-  return 'check the URL, or that the server lets this machine read it'
-
-
-def endpoint(location: str) -> str:
-  """The server a URL's requests go to, and the variable that sets it, in words."""
-  s = scheme(location)
-  if s == 'gs':
-    url = os.environ.get('TENSORSTORE_GCS_HTTP_URL')
-    return (f'{url} ($TENSORSTORE_GCS_HTTP_URL)' if url else
-            'https://storage.googleapis.com (set $TENSORSTORE_GCS_HTTP_URL for an emulator)')
-  if s == 's3':
-    for name in ('AWS_ENDPOINT_URL_S3', 'AWS_ENDPOINT_URL'):
-      if os.environ.get(name):
-        return f'{os.environ[name]} (${name})'
-    return 'AWS S3 (set $AWS_ENDPOINT_URL for another S3 service)'
-  return location
-
-
-def _store_of(location: str) -> str:
-  """'gs://BUCKET' / 's3://BUCKET' of a bucket URL, else ''."""
-  if scheme(location) not in OBJECT_SCHEMES:
-    return ''
-  return f'{scheme(location)}://{bucket_and_key(location)[0]}'
-
-
-def _failed(op: str, location: str, e: Exception) -> StorageError:
-  """The error for `op` on `location` failing with tensorstore's `e`, by its class: a bucket
-  that does not exist, a bucket name the store rejects, or access denied -> a
-  StorageConfigError (EXIT_USAGE); anything else (unreachable, 5xx after the retries) a
-  StorageError (EXIT_CRASH: restarted)."""
-  # The status and the store's message; a server's HTML or XML body adds only noise.
-  text = re.sub(r" ?\[http_response_body='.*?'\](?= \[|$)", '', ' '.join(str(e).split()))
-  short = text if len(text) <= 300 else text[:300] + '...'
-  code = text.split(':', 1)[0]
-  where, store = describe(location), _store_of(location)
-  bucket = bucket_and_key(location)[0] if store else ''
-  if store and (code == 'NOT_FOUND' or 'NoSuchBucket' in text):
-    # A key that does not exist is an answer, not an error: only the bucket is left.
-    return StorageConfigError(
-        f'the bucket {bucket!r} does not exist on {where} ({op} {location} answered '
-        f'{short}). Create it, or correct the bucket name in the URL; requests went to '
-        f'{endpoint(location)}.', store)
-  if code in _DENIED or any(h in text for h in _DENIED_HTTP):
-    return StorageConfigError(
-        f'{where} denied {op} {location} ({short}); {credentials_hint(location)}.', store)
-  if store and code == 'INVALID_ARGUMENT' and 'bucket' in text.lower():
-    return StorageConfigError(
-        f'{where} rejects the bucket name {bucket!r} ({op} {location}: {short}); correct '
-        'the bucket name in the URL.', store)
-  return StorageError(
-      f'{op} {location} failed on {where} after the client\'s retries ({short}); requests '
-      f'went to {endpoint(location)}. A rerun may succeed once the store answers.', store)
-
-
-def _result(future: Any, op: str, location: str) -> Any:
-  """`future.result()`, saying on stderr what is waited for while the client retries (a
-  store that does not answer is retried for up to retry_budget_seconds() per request)."""
-  start, notice = time.monotonic(), _WAIT_NOTICE_SECONDS
-  while True:
-    try:
-      return future.result(timeout=max(0.0, start + notice - time.monotonic()))
-    except TimeoutError:
-      if future.done():  # the operation's own error, not the wait's
-        raise
-      logging.warning('Still %s %s on %s after %.0f s: the client retries a failing request '
-                      'for up to %.0f s (OLMO_STORAGE_RETRIES), then this run stops; requests '
-                      'go to %s.', op, location, describe(location), time.monotonic() - start,
-                      retry_budget_seconds(), endpoint(location))
-      notice *= 2
-
-
 # --- Whole objects ----------------------------------------------------------------------
 
 
@@ -493,9 +271,9 @@ def read_versioned(location: str) -> tuple[bytes | None, bytes]:
   """(contents or None, generation): the generation to pass to write(if_generation=)."""
   store, key = kvstore(location)
   try:
-    r = _result(store.read(key), 'reading', location)
+    r = kvstores.result(store.read(key), 'reading', location)
   except ValueError as e:
-    raise _failed('reading', location, e) from e
+    raise kvstores.failed('reading', location, e) from e
   return (r.value if r.state == 'value' else None), r.stamp.generation
 
 
@@ -512,9 +290,9 @@ def read_range(location: str, start: int, stop: int) -> bytes:
       return f.read(stop - start)
   store, key = kvstore(location)
   try:
-    r = _result(store.read(key, byte_range=slice(start, stop)), 'reading', location)
+    r = kvstores.result(store.read(key, byte_range=slice(start, stop)), 'reading', location)
   except ValueError as e:
-    raise _failed(f'reading bytes [{start}, {stop}) of', location, e) from e
+    raise kvstores.failed(f'reading bytes [{start}, {stop}) of', location, e) from e
   if r.state != 'value':
     raise FileNotFoundError(f'{location} does not exist.')
   return r.value
@@ -539,7 +317,7 @@ def size(location: str) -> int | None:
       r = store.read(key, byte_range=slice(offset, offset + 1)).result()
     except ValueError as e:
       if not str(e).startswith('OUT_OF_RANGE'):
-        raise _failed('finding the size of', location, e) from e
+        raise kvstores.failed('finding the size of', location, e) from e
       m = _SIZE_RE.search(str(e))
       return int(m.group(1)) if m else False
     if r.state != 'value':
@@ -549,7 +327,7 @@ def size(location: str) -> int | None:
   try:
     r = store.read(key, byte_range=slice(0, 0)).result()
   except ValueError as e:
-    raise _failed('finding the size of', location, e) from e
+    raise kvstores.failed('finding the size of', location, e) from e
   if r.state != 'value':
     return None
   low, high = 0, 1  # byte `low - 1` exists (or low == 0); byte `high` may not
@@ -588,11 +366,11 @@ def write(location: str, data: bytes, if_generation: bytes | None = None) -> byt
   condition failed. Object stores only."""
   store, key = kvstore(location)
   try:
-    stamp = _result(store.write(key, data, if_equal=if_generation), 'writing', location)
+    stamp = kvstores.result(store.write(key, data, if_equal=if_generation), 'writing', location)
   except ValueError as e:
     if 'FAILED_PRECONDITION' in str(e) and if_generation is not None:
       return None
-    raise _failed('writing', location, e) from e
+    raise kvstores.failed('writing', location, e) from e
   if not stamp.generation and if_generation == MISSING:
     _refused_create(store, key, location)
   return stamp.generation or None  # tensorstore answers an empty generation on a failed condition
@@ -606,9 +384,9 @@ def _refused_create(store: ts.KvStore, key: str, location: str) -> None:
   if read_versioned(location)[0] is not None:
     return  # another writer's object: the condition did fail
   try:
-    _result(store.list(ts.KvStore.KeyRange(key, key + '\0')), 'writing', location)
+    kvstores.result(store.list(ts.KvStore.KeyRange(key, key + '\0')), 'writing', location)
   except ValueError as e:
-    raise _failed('writing', location, e) from e
+    raise kvstores.failed('writing', location, e) from e
 
 
 def write_atomic(location: str, data: bytes | str, fsync: bool = True) -> None:
@@ -785,9 +563,9 @@ def list_keys(location: str) -> list[str]:
   try:
     keys = store.list(_under(key),
                       strip_prefix_length=len(key))
-    keys = _result(keys, 'listing', location)
+    keys = kvstores.result(keys, 'listing', location)
   except ValueError as e:
-    raise _failed('listing', location, e) from e
+    raise kvstores.failed('listing', location, e) from e
   return sorted(k.decode() for k in keys)
 
 
@@ -822,9 +600,9 @@ def delete(location: str) -> None:
     return
   store, key = kvstore(location)
   try:
-    _result(store.write(key, None), 'deleting', location)
+    kvstores.result(store.write(key, None), 'deleting', location)
   except ValueError as e:
-    raise _failed('deleting', location, e) from e
+    raise kvstores.failed('deleting', location, e) from e
 
 
 def delete_tree(location: str, first: tuple[str, ...] = ()) -> None:
@@ -841,9 +619,9 @@ def delete_tree(location: str, first: tuple[str, ...] = ()) -> None:
     delete(join(location, name))
   store, key = kvstore(_prefix(location))
   try:
-    _result(store.delete_range(_under(key)), 'deleting', location)
+    kvstores.result(store.delete_range(_under(key)), 'deleting', location)
   except ValueError as e:
-    raise _failed('deleting', location, e) from e
+    raise kvstores.failed('deleting', location, e) from e
 
 
 def rename_tree(src: str, dst: str, last: tuple[str, ...] = (),

@@ -118,6 +118,7 @@ class Tracker:
     self.failed = ''  # why W&B stopped logging, once it did
     self.run_id = init and init.get('id')
     self.workdir = workdir  # where metrics.jsonl and the finished-step marker live
+    self._local_dir = (init or {}).get('dir') or ''  # wandb's files: <dir>/wandb
     self.replayed = 0  # records logged again from metrics.jsonl at a resume
     if not self.enabled:
       return
@@ -205,9 +206,24 @@ class Tracker:
     if self._thread.is_alive():
       logging.warning('W&B did not finish within %.0f s; leaving it. The run\'s local files '
                       'can be uploaded later with `wandb sync`.', timeout)
+    else:
+      self._copy_to_workdir()
     if self.dropped:
       logging.warning('%d metric records did not reach W&B%s; metrics.jsonl has them all.',
                       self.dropped, f' ({self.failed})' if self.failed else '')
+
+  def _copy_to_workdir(self) -> None:
+    """A bucket workdir's W&B files (kept on this host: wandb writes local files only)
+    copied to <workdir>/wandb, so `wandb sync` works from any machine after a download."""
+    local = os.path.join(self._local_dir, 'wandb')
+    target = storage.join(self.workdir, 'wandb')
+    if storage.identity(local) == storage.identity(target) or not os.path.isdir(local):
+      return
+    try:
+      storage.upload_tree(local, target)
+      logging.info('W&B files copied to %s.', target)
+    except Exception as e:  # pylint: disable=broad-except  # W&B never stops a run
+      logging.warning('W&B files stay in %s: copying them to %s failed (%s).', local, target, e)
 
   # --- The background thread ------------------------------------------------------------
 

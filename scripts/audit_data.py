@@ -571,7 +571,7 @@ def build_dataset(cfg_data: Any, num_instances: int = 0) -> data.Dataset:
   try:
     return data.Dataset.from_config(cfg_data)
   except FileNotFoundError:
-    if not cfg_data.mix_file or not os.path.isfile(cfg_data.mix_file):
+    if not cfg_data.mix_file or not storage.isfile(cfg_data.mix_file):
       raise
     paths, labels, sizes = token_files.read_mix(
         cfg_data.mix_file, base_dir=token_files.mix_base_dir(cfg_data.mix_file, cfg_data.base_dir),

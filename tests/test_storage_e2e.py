@@ -9,8 +9,9 @@ its checksum), and their metrics records equal except wall-clock fields.
 
   * A full cycle (`cycles`): 4 steps, then a second invocation that continues
     with --config=configs/from_checkpoint.py:WORKDIR to 10 steps, meets
-    tests/test_rollback.py's planted spike at step 6 and rolls back to step 4
-    (rollbacks.jsonl and rolledback.step_5.1 in the bucket); then
+    tests/test_rollback.py's planted spike at step 6 and rolls back to step 3,
+    the last state its next step judged healthy (rollbacks.jsonl and
+    rolledback.step_4.1, rolledback.step_5.1 in the bucket); then
     convert.py --from_ckpt=URL --to_hf=LOCAL and eval.py --checkpoint=URL.
   * SIGKILL inside a save on gs:// (tests/storage_faults.py: mid-chunks,
     before metadata.json, before COMMIT), then a rerun of the same command.
@@ -48,7 +49,7 @@ import workdir_lock
 from test_multihost import (GLOO_RENDEZVOUS, free_port, spawn_train, train_args, trainer_env)
 from test_rollback import INSTALL_POISON, LR, POISON_CODE, RUN, STEPS, WINDOW
 from test_rollback import poisoned_files  # noqa: F401  (a module fixture used here)
-from test_train import TIMING, config_flags
+from test_train import VOCAB, config_flags, timed
 from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -152,11 +153,13 @@ def assert_arrays_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> N
 
 
 def untimed(records: list[dict]) -> list[dict]:
-  """Records without their wall-clock fields (TIMING, and any other 'time/...' or '... (s)',
-  e.g. the in-loop downstream evaluation's duration)."""
+  """Records without their wall-clock fields (test_train.timed, and any other 'time/...' or
+  '... (s)', e.g. the in-loop downstream evaluation's duration); a record of goodput
+  alone is dropped whole."""
   def timing(k: str) -> bool:
-    return k in TIMING or k.startswith('time/') or k.endswith('(s)')
-  return [{k: v for k, v in r.items() if not timing(k)} for r in records]
+    return timed(k) or k.startswith('time/') or k.endswith('(s)')
+  untimed = [{k: v for k, v in r.items() if not timing(k)} for r in records]
+  return [r for r in untimed if set(r) != {'step'}]
 
 
 def step_keys(ckpt_dir: str, step: int | str) -> list[str]:
@@ -231,16 +234,17 @@ def cycles(buckets, poisoned_files, tmp_path_factory):  # noqa: F811  (the impor
 def test_cycle_in_a_bucket_is_bit_identical_to_local_disk(cycles, scheme):
   local, remote = cycles(''), cycles(scheme)
   assert f'Resumed from step {FIRST} in {remote.ckpt}' in remote.outputs[1]
-  assert 'ROLLBACK 1/3' in remote.outputs[1] and 'Restored step 4' in remote.outputs[1]
+  assert 'ROLLBACK 1/3' in remote.outputs[1] and 'Restored step 3' in remote.outputs[1]
   for cycle in (local, remote):
     assert checkpoint.committed_steps(cycle.ckpt) == list(range(1, STEPS + 1))
   # The rollback's decision and set-aside, in the bucket as on disk.
   entries = without_time(rollback.read_log(remote.workdir))
   assert entries == without_time(rollback.read_log(local.workdir))
-  assert len(entries) == 1 and entries[0]['skip'] == WINDOW and entries[0]['restored_step'] == 4
+  assert len(entries) == 1 and entries[0]['skip'] == WINDOW and entries[0]['restored_step'] == 3
   names = storage.listdir(remote.ckpt)
   assert names == sorted(os.listdir(local.ckpt)) == sorted(
-      ['rolledback.step_5.1', *(f'step_{s}' for s in range(1, STEPS + 1))])
+      ['rolledback.step_4.1', 'rolledback.step_5.1',
+       *(f'step_{s}' for s in range(1, STEPS + 1))])
   aside = storage.join(remote.ckpt, 'rolledback.step_5.1')  # copied whole, COMMIT included
   assert storage.list_keys(aside) == step_keys(local.ckpt, 'rolledback.step_5.1')
   assert step_dirs.COMMIT in storage.list_keys(aside)
@@ -288,10 +292,16 @@ def test_cycle_config_from_checkpoint_resolves_a_url(cycles, scheme):
 
 
 def convert_to_hf(cycle: Cycle) -> None:
+  """The run's HF export. Its token files name no tokenizer (synthetic ids), so it is given
+  one (convert.py refuses an export without): a word-level vocabulary of the ids."""
+  from tokenizers import Tokenizer, models  # pylint: disable=import-outside-toplevel
   if not cycle.hf.exists():
+    vocab = cycle.scratch / 'tokenizer.json'
+    Tokenizer(models.WordLevel({f't{i}': i for i in range(VOCAB)}, unk_token='t2')).save(
+        str(vocab))
     ok(subprocess.run([sys.executable, 'convert.py', f'--from_ckpt={cycle.ckpt}',
-                       f'--to_hf={cycle.hf}'], cwd=REPO, env=dict(os.environ),
-                      capture_output=True, text=True, timeout=600))
+                       f'--to_hf={cycle.hf}', f'--tokenizer={vocab}'], cwd=REPO,
+                      env=dict(os.environ), capture_output=True, text=True, timeout=600))
 
 
 @pytest.mark.slow
@@ -423,13 +433,18 @@ def test_sigkill_mid_save_in_a_bucket_then_resume_is_bit_identical(cycles, kille
     assert f'Removing partial checkpoint {partial}' in out
     assert f'Resumed from step {KILL_STEP - 1} in' in out
   assert step_dirs.committed_steps(ckpt) == list(range(1, FIRST + 1))
-  for step in (KILL_STEP, FIRST):  # no leftover object; the same chunks and checksums
-    assert step_keys(ckpt, step) == step_keys(local.ckpt, step)
+  # The local cycle's second invocation rolled back to step 3 and trained step 4 again; its
+  # first step 4 is the set-aside copy. The local run judged that state (HEALTH); this run
+  # ended there, and a run's last step stays pending (docs/rollback.md).
+  reference = {KILL_STEP: f'step_{KILL_STEP}', FIRST: f'rolledback.step_{FIRST}.1'}
+  for step, name in reference.items():  # no leftover object; the same chunks and checksums
+    assert step_keys(ckpt, step) == [k for k in step_keys(local.ckpt, name)
+                                     if k != step_dirs.HEALTH or step != FIRST]
     assert (chunk_store.read_info(step_dirs.step_dir(ckpt, step))['arrays'] ==
-            chunk_store.read_info(step_dirs.step_dir(local.ckpt, step))['arrays'])
-  assert_arrays_equal(arrays(ckpt, FIRST), arrays(local.ckpt, FIRST))  # and every bit
-  assert untimed(metrics_lib.read_records(workdir)) == [
-      r for r in untimed(metrics_lib.read_records(local.workdir)) if r['step'] <= FIRST]
+            chunk_store.read_info(storage.join(local.ckpt, name))['arrays'])
+  assert_arrays_equal(arrays(ckpt, KILL_STEP), arrays(local.ckpt, KILL_STEP))  # every bit
+  assert untimed(metrics_lib.read_records(workdir))[:KILL_STEP] == [
+      r for r in untimed(metrics_lib.read_records(local.workdir)) if r['step'] <= KILL_STEP]
 
 
 # --- 3. Two processes, one bucket -------------------------------------------------------

@@ -51,6 +51,11 @@ WANDB_NAMES = ('train/CE loss', 'train/Z loss', 'train/PPL', 'optim/LR', 'optim/
 TIMING = ('throughput/device/TPS', 'throughput/device/MFU', 'time/step', 'time/data wait',
           'eval/lm/time (s)', 'eval/downstream/time (s)')
 
+
+def timed(key: str) -> bool:
+  """A wall-clock field: TIMING, or the goodput account (goodput.py: seconds and shares)."""
+  return key in TIMING or key.startswith('goodput/')
+
 OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --config.* flags
     'model.vocab_size': VOCAB, 'model.num_layers': 2, 'model.layer_pattern': 'SF',
     'model.d_model': 64, 'model.num_heads': 2, 'model.num_kv_heads': 1, 'model.head_dim': 32,
@@ -104,7 +109,8 @@ def read_metrics(workdir) -> dict[int, dict[str, float]]:
 
 
 def replayed(metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
-  return {s: {k: v for k, v in r.items() if k not in TIMING} for s, r in metrics.items()}
+  untimed = {s: {k: v for k, v in r.items() if not timed(k)} for s, r in metrics.items()}
+  return {s: r for s, r in untimed.items() if r}  # a step that logged only goodput: none
 
 
 def host_state(cfg, workdir, step: int):
