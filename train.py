@@ -68,6 +68,8 @@ class TrainState(NamedTuple):
 
 # --- The train state --------------------------------------------------------------------
 
+_ABSTRACT: dict[str, Any] = {}  # abstract_state's last answer and its key
+
 
 def _init_fn(cfg: ml_collections.ConfigDict, tx: Any):
   def init(rng):
@@ -78,8 +80,12 @@ def _init_fn(cfg: ml_collections.ConfigDict, tx: Any):
 
 def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = None
                    ) -> TrainState:
-  """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated."""
-  abstract = jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0))
+  """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated.
+  Traced once per model config and optimizer: a start asks several times, each trace ~0.2 s."""
+  key = (cfg.model.to_json_best_effort(sort_keys=True), tx)
+  if _ABSTRACT.get('key') != key:  # tx held in the key: its identity cannot be reused
+    _ABSTRACT.update(key=key, state=jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0)))
+  abstract = _ABSTRACT['state']
   if mesh is None:
     return abstract
   return sharding.placed(abstract, mesh)
@@ -232,13 +238,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
           ) -> dict[str, float]:
   """Runs (or resumes) training to cfg.train.steps; returns the last logged metrics.
 
-  Cheap checks come first, so a bad setting fails in seconds with nothing
-  allocated or written: the config (completed from what its data says about
-  itself, then validated: this is the one place), init_from, the mesh, the
-  data files and micro-batching, and whether params + moments fit a device.
-  Then the workdir is locked (by process 0, for all processes of the run): a
-  second run's checkpoint clean-up would take this one's in-flight save for
-  the leftovers of a crashed one.
+  Cheap checks first, so a bad setting fails in seconds with nothing allocated
+  or written: the config (completed from its data, validated: the one place),
+  what it reads, the mesh, the data, micro-batching, whether the state fits.
+  Then process 0 locks the workdir: another run's clean-up would take this
+  one's in-flight save for a crashed one's leftovers.
   """
   account = goodput.Account(workdir := storage.check(workdir))  # timed from the process start
   account.switch('training prep')
@@ -420,19 +424,15 @@ def main(argv: list[str]) -> None:
     errors.report('--workdir is required (checkpoints and metrics go there).', errors.EXIT_USAGE)
   with errors.one_line():  # one spelling per place; a mistyped URL never becomes a folder
     workdir = storage.canonical(FLAGS.workdir, '--workdir')
-  log_file = storage.join(workdir, 'error.log')
-  with errors.one_line(log_file, append=storage.append, restartable=(
+  with errors.one_line(storage.join(workdir, 'error.log'), append=storage.append, restartable=(
       storage.StorageError, checkpoint.CheckpointReadError, checkpoint.CheckpointSaveError)):
     sharding.init_distributed_from_flags()
     train(FLAGS.config, workdir, FLAGS.sample_tokens)
 
 
 def run() -> None:
-  """The command line: defines the flags and runs main (`python train.py` calls it).
-
-  Flags are defined here rather than at import, so plan.py, tests and scripts
-  can import this module as a library.
-  """
+  """The command line: defines the flags (here, not at import: plan.py, tests and scripts
+  import this module as a library) and runs main (`python train.py` calls it)."""
   kernels.xla.set_cpu_flags()  # before anything starts a JAX backend
   # Without --config in argv this already parses the default file and the overrides.
   with config_checks.config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):
