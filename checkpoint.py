@@ -112,8 +112,8 @@ class Checkpointer:
   after each commit: the newest `keep_last` committed steps, every step
   divisible by `keep_every` (0: none), and the newest healthy step (saved
   healthy=True, or judged so: judge()) are kept; so saves made while the run
-  is diverging can never evict its last healthy state. Creating a Checkpointer tidies what crashed
-  saves left (step_dirs.tidy). Use one Checkpointer per directory at a time (see
+  is diverging can never evict its last healthy state. Creating a Checkpointer
+  tidies what crashed saves left (step_dirs.tidy). Use one Checkpointer per directory at a time (see
   WorkdirLock). fsync=False skips fsync (tests, scratch runs): a power cut may
   then leave a committed step with lost data, which restore's checksums still
   catch.

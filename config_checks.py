@@ -194,7 +194,8 @@ def tokenizer_mismatch(stated: str, described: dict[str, Any]) -> str | None:
   theirs = described.get('file') or ''
   if storage.identity(stated) == storage.identity(theirs or stated + '\0'):
     return None
-  stated = run_tokenizer.find(None, stated, what='data.tokenizer')  # a local view; unreachable: refused
+  # A local view of it (a bucket's object too); one that cannot be read is refused.
+  stated = run_tokenizer.find(None, stated, what='data.tokenizer')
   try:
     theirs = theirs and run_tokenizer.find(None, theirs, what="the mix's tokenizer file")
   except errors.UserError:  # not on this machine: its recorded ids are checked below
@@ -251,8 +252,8 @@ def check_layer_pattern(cfg_model: ml_collections.ConfigDict) -> None:
     period = max(k for k in range(1, len(pattern) + 1) if layers % k == 0)
     raise errors.ConfigError(
         f'model.num_layers={layers} is not a multiple of {len(pattern)}, the period of '
-        f'model.layer_pattern={pattern!r}: set --config.model.layer_pattern to a pattern whose length '
-        f'divides {layers} (e.g. --config.model.layer_pattern={pattern[-period:]}, its last '
+        f'model.layer_pattern={pattern!r}: set --config.model.layer_pattern to a pattern '
+        f'whose length divides {layers} (e.g. --config.model.layer_pattern={pattern[-period:]}, its last '
         f'{period}) or --config.model.num_layers to a multiple of {len(pattern)}.')
 
 

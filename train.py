@@ -287,8 +287,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
                  dict(mesh.shape), accum, start, cfg.train.steps)
     state, last = loop(cfg, workdir, state, start, train_step, make_loader(data_state, start),
                        ckpt, ds, mesh, recovery, make_loader, account)
-  if sample_tokens:
-    sample.print_sample(cfg, state.params, sample_tokens)
+    if sample_tokens:  # inside the account: its goodput line is the process's last
+      with account.phase('custom/sample'):
+        sample.print_sample(cfg, state.params, sample_tokens)
   return last
 
 

@@ -16,8 +16,8 @@ mix `label,absolute path,bytes` is written only once every file is in place:
 --list prints files, bytes and tokens per source (from HEAD requests) and
 downloads nothing. --remote_mix=MIX.txt downloads nothing either: it writes a
 mix of the URLs and their sizes, which train.py reads remotely, by byte range
-(docs/data.md#remote-data); the sizes let it check each file with one request. Rerunning a fetch resumes partial files and skips
-complete ones.
+(docs/data.md#remote-data); the sizes let it check each file with one
+request. Rerunning a fetch resumes partial files and skips complete ones.
 
 A host that cannot be reached stops the listing or the fetch at the first
 file that shows it, with one line: a name that does not resolve (no network,

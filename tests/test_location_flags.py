@@ -261,7 +261,8 @@ def test_urls_are_honoured_end_to_end(buckets, tmp_path, monkeypatch):
   assert code == 5 and f'{gs}/nothing.json' in err and not (cwd / 'hf2').exists()
   # The bucket's tokenizer replaced (another corpus prepared into the same path): the tools
   # read the new object, never the cached copy; the embedded one is too large for this run.
-  storage.write_atomic(f'{gs}/tokens/c.tokenizer.json', (REPO / 'data' / 'tokenizer.json').read_bytes())
+  embedded = (REPO / 'data' / 'tokenizer.json').read_bytes()
+  storage.write_atomic(f'{gs}/tokens/c.tokenizer.json', embedded)
   code, err = refused(cwd, 'convert', f'--from_ckpt={gs}/run/checkpoints', '--to_hf=hf3')
   assert code != 0 and 'not the run' in err and not (cwd / 'hf3').exists(), err
   storage.delete(f'{gs}/tokens/c.tokenizer.json')  # gone: refused, no fallback

@@ -5,8 +5,9 @@ Outside it, no module asks what a location's scheme is (`is_url`, `is_object_sto
 the filesystem or the bucket implementation. A module that keeps two
 implementations of one operation asks for the store's capability (`renames`,
 `appends`, `maps`, `locks`), and only the callers listed here may ask it (or,
-for one protocol detail, the scheme), each for the reason given. A new branch on where bytes live fails this test until it moves
-into storage.py or earns a line below.
+for one protocol detail, the scheme), each for the reason given. A new branch
+on where bytes live fails this test until it moves into storage.py or earns a
+line below.
 """
 
 import ast
@@ -31,8 +32,9 @@ ALLOWED = {
                                   'atomic directory exchange, or step by step with COMMIT last',
     ('download.py', '_local_path'): "'://': a download's source: a path or file:// is copied, "
                                     'http(s) and public bucket URLs are fetched over HTTP',
-    ('remote_tokens.py', 'probe'): "scheme: a token file's size is found by the request each "
-                                   'protocol answers cheapest (HTTP Range, S3 error, GCS bisection)',
+    ('remote_tokens.py', 'probe'): "scheme: a token file's size is found by the request "
+                                   'each protocol answers cheapest (HTTP Range, S3 error, '
+                                   'GCS bisection)',
 }
 
 
