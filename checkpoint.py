@@ -126,7 +126,7 @@ class Checkpointer:
                        'checkpoint is never deleted).')
     if keep_every < 0:
       raise ValueError(f'keep_every={keep_every}: must be >= 0 (0 = none).')
-    self.directory = storage.absolute(storage.check(directory, 'checkpoint directory'))
+    self.directory = storage.absolute(storage.canonical(directory, 'checkpoint directory'))
     self.keep_last, self.keep_every = keep_last, keep_every
     self.use_ocdbt, self.chunk_bytes, self.fsync = use_ocdbt, chunk_bytes, fsync
     self._sync = Sync()
@@ -383,7 +383,7 @@ def save_streamed(directory: str, step: int, arrays: list[tuple[str, tuple[int, 
   commit are Checkpointer.save's, so restore() reads the step like any other.
   A failure removes the temporary directory and leaves earlier steps intact.
   """
-  directory = storage.absolute(storage.check(directory, 'checkpoint directory'))
+  directory = storage.absolute(storage.canonical(directory, 'checkpoint directory'))
   storage.makedirs(directory)
   step_dirs.tidy(directory, fsync)
   final = step_dirs.step_dir(directory, step)

@@ -130,11 +130,6 @@ def canonical(text: str, what: str = '--workdir', *, writes: bool = True,
   return f'{s}://{bucket}' + (f'/{key}' if key else '')
 
 
-def check(location: str, what: str = '--workdir', writable: bool = True) -> str:
-  """canonical(), under the name older callers use."""
-  return canonical(location, what, writes=writable)
-
-
 def join(location: str, *parts: str) -> str:
   if not is_url(location):
     return os.path.join(location, *parts)
@@ -231,11 +226,6 @@ def local_view(location: str) -> str:
     write_atomic(path, r.value, fsync=False)
     write_atomic(stamp_file, r.stamp.generation, fsync=False)
   return path
-
-
-def local_file(location: str) -> str:
-  """local_view(), under the name older callers use."""
-  return local_view(location)
 
 
 def unwritable(location: str) -> str | None:

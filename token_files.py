@@ -306,7 +306,7 @@ def inspect_file(path: str, label: str = '', listed_size: int | None = None,
     if sample:
       check_sample(file, vocab_size)
     return file
-  storage.check(path, 'a token file', writable=False)
+  storage.canonical(path, 'a token file', writes=False)
   size = remote_tokens.probe(path, listed_size)
   if size is None:
     raise remote_tokens.missing_error(path)

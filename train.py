@@ -244,7 +244,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   Then process 0 locks the workdir: another run's clean-up would take this
   one's in-flight save for a crashed one's leftovers.
   """
-  account = goodput.Account(workdir := storage.check(workdir))  # timed from the process start
+  account = goodput.Account(workdir := storage.canonical(workdir))  # timed from the process start
   account.switch('training prep')
   config_checks.validate(config_checks.complete(cfg))
   config_checks.check_sources(cfg)

@@ -58,7 +58,7 @@ class WorkdirLock:
   """
 
   def __init__(self, workdir: str):
-    self.workdir = storage.absolute(storage.check(workdir))
+    self.workdir = storage.absolute(storage.canonical(workdir))
     self.path = storage.join(self.workdir, LOCK)
     self._fd: int | None = None
     self._lease: _Lease | None = None

@@ -67,7 +67,7 @@ def locate(path: str, step: int | None = None) -> tuple[str, int | None]:
   A step_N path stands for its checkpoint directory and step N. Raises
   ModelPathError naming what is there instead and the path to give.
   """
-  path = storage.absolute(storage.check(path, '--checkpoint'))
+  path = storage.absolute(storage.canonical(path, '--checkpoint', writes=False))
   m = re.fullmatch(r'step_(\d+)', storage.basename(path))
   if m and step is None and not storage.exists(storage.join(path, 'config.json')):
     path, step = storage.parent(path), int(m.group(1))

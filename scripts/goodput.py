@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     errors.report('--workdir is required: the run\'s workdir (train.py --workdir).',
                   errors.EXIT_USAGE)
   with errors.one_line():
-    workdir = storage.check(FLAGS.workdir, writable=False)
+    workdir = storage.canonical(FLAGS.workdir, '--workdir', writes=False)
     account = goodput.summary(workdir)
     if not account['starts']:
       raise errors.ConfigError(f'{workdir} has no goodput records ({goodput.FOLDER}/): point '

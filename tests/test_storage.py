@@ -54,12 +54,12 @@ def host(tree):
                                       's3://', 'file:///tmp/x', 'http://host/run'])
 def test_unknown_or_malformed_urls_are_refused_in_one_line(location):
   with pytest.raises(errors.ConfigError, match='gs://BUCKET/PATH or s3://BUCKET/PATH'):
-    storage.check(location)
+    storage.canonical(location)
 
 
 def test_http_is_a_data_source_only():
-  assert storage.check('https://host/data/x.npy', writable=False) == 'https://host/data/x.npy'
-  assert storage.check('runs/a:b') == 'runs/a:b'  # a colon later in a path is no scheme
+  assert storage.canonical('https://host/data/x.npy', writes=False) == 'https://host/data/x.npy'
+  assert storage.canonical('runs/a:b') == 'runs/a:b'  # a colon later in a path is no scheme
 
 
 def test_workdir_typo_never_becomes_a_local_folder(tmp_path):
