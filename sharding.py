@@ -12,8 +12,10 @@
 Shapes: B global batch, T sequence.
 """
 
+import errno
 import glob
 import os
+import socket
 from typing import Any
 
 from absl import flags, logging
@@ -224,6 +226,8 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   source = 'flags' if given else cluster_detected()
   if source is None:
     return
+  if given and process_id == 0:
+    check_coordinator_port(coordinator_address)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # A dead peer is noticed by its missing heartbeats: the survivors abort
   # instead of hanging in a collective, so the launcher can restart them all.
@@ -231,6 +235,36 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
                              heartbeat_timeout_seconds=heartbeat_timeout)
   logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
+
+
+def check_coordinator_port(address: str) -> None:
+  """Refuses a coordinator port another program holds, in one line.
+
+  Process 0 serves jax.distributed's coordination service on every interface at
+  `address`'s port; when the port is taken, gRPC's failure is a segmentation fault
+  with no word of the port. The check binds the way gRPC does (SO_REUSEADDR, so a
+  socket of the previous attempt in TIME_WAIT does not count as taken).
+  """
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise errors.ConfigError(f'--coordinator_address={address!r} is not host:port '
+                             '(e.g. 10.0.0.2:8476).')
+  family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+  try:
+    s = socket.socket(family, socket.SOCK_STREAM)
+  except OSError:  # no IPv6 stack on this host
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  with s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(('', int(port)))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # not ours to judge (permissions, no such interface): gRPC says
+      raise errors.ConfigError(
+          f'--coordinator_address={address}: port {port} on this host is in use by another '
+          'program, so process 0 cannot serve the coordination service there; choose a free '
+          'port (the same --coordinator_address on every process).') from e
 
 
 def define_host_flags() -> None:

@@ -25,6 +25,7 @@ import http.server
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -46,9 +47,24 @@ class ServerUnavailable(RuntimeError):
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+  """A port free on every interface now, below the kernel's ephemeral range.
+
+  A port the kernel handed out (bind to port 0) is in the ephemeral range, where the
+  other test worker's outgoing connections (gloo, HTTP clients) take ports too: one of
+  them can take it before the server binds it. Picking at random below that range,
+  checked on every interface (as jax.distributed's coordinator binds), leaves only a
+  collision with the other worker's own pick.
+  """
+  rng = random.SystemRandom()
+  for _ in range(100):
+    port = rng.randrange(20000, 32000)
+    with socket.socket() as s:
+      try:
+        s.bind(('', port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError('no free port in 20000-32000')
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:

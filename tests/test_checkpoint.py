@@ -35,6 +35,7 @@ import pytest
 import checkpoint
 import errors
 import chunk_store
+import servers
 import workdir_lock
 from xla_flags import with_devices
 
@@ -691,9 +692,7 @@ def test_two_processes_restore_and_save_cooperatively(tmp_path):
                   'r': jax.device_put(np.arange(3.0, dtype=np.float32),
                                       NamedSharding(mesh8, P()))})
   (tmp_path / 'worker.py').write_text(_WORKER)
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
+  port = servers.free_port()
   env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=with_devices(4))
   procs = [subprocess.Popen([sys.executable, str(tmp_path / 'worker.py'), str(i), str(port),
                              str(tmp_path)], env=env, stdout=subprocess.PIPE,

@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer
 
 import batches
 import data
+import servers
 from configs import olmo3_7b
 from script_module import load_script
 from xla_flags import with_devices
@@ -538,9 +538,7 @@ print(json.dumps({'rows': loader.rows.tolist(), 'devices': jax.device_count(), '
 @pytest.mark.slow
 def test_two_processes_read_only_their_rows(tmp_path):
   paths = write_files(tmp_path, [1500, 900])
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = str(s.getsockname()[1])
+  port = str(servers.free_port())
   env = dict(os.environ, XLA_FLAGS=with_devices(2), PYTHONPATH=REPO)
   procs = [subprocess.Popen([sys.executable, '-c', _WORKER, port, str(i)] + paths, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -38,6 +38,7 @@ import sharding  # noqa: E402
 import train  # noqa: E402
 from configs import small  # noqa: E402
 from scripts import launch  # noqa: E402
+import servers  # noqa: E402
 from test_multihost import (REPO, TRAIN_FILE, assert_bitwise_equal,  # noqa: E402
                             copy_checkpoints, final_params, run_train, spawn_train, train_args,
                             trainer_env, wait_for_step)
@@ -442,10 +443,7 @@ def test_a_lost_peer_process_is_one_line_naming_it_and_the_run_restarts(tmp_path
   Process 0 aborts when the coordination service misses process 1's heartbeats (SIGABRT,
   its own C++ log): the launcher says which process was lost, in one line per attempt, and
   restarts the run (a signal death), here until --max_failures=2."""
-  port = socket.socket()
-  port.bind(('127.0.0.1', 0))
-  address = f'127.0.0.1:{port.getsockname()[1]}'
-  port.close()
+  address = f'127.0.0.1:{servers.free_port()}'
   body = ('import subprocess\n'
           'index = int(os.environ.get("PEER_INDEX", "0"))\n'
           'if index == 0:\n'

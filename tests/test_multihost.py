@@ -22,12 +22,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import tensorstore as ts
 
+from servers import free_port
 from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -75,6 +77,34 @@ def run_train(workdir, steps: int, ckpt_every: int, *extra: str, devices: int = 
 
 
 GLOO_RENDEZVOUS = 'Gloo context initialization failed'
+PORT_TAKEN = 'is in use by another program'  # sharding.check_coordinator_port's refusal
+# Start-up failures of a multi-process test run that a second try with a new port fixes.
+RETRIED_STARTS = (GLOO_RENDEZVOUS, PORT_TAKEN)
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple]:
+  """Every process's (stdout, stderr), read side by side so no pipe fills while another
+  process is waited for. When process 0 refuses the coordinator's port, the others are
+  killed at once: they would wait minutes for a coordinator that never comes."""
+  outs: list = [None] * len(procs)
+  readers = [threading.Thread(target=lambda i=i: outs.__setitem__(i, procs[i].communicate()),
+                              daemon=True) for i in range(len(procs))]
+  for reader in readers:
+    reader.start()
+  deadline = time.time() + timeout
+  try:
+    while any(reader.is_alive() for reader in readers):
+      if time.time() > deadline:
+        raise subprocess.TimeoutExpired(procs[0].args, timeout)
+      if not readers[0].is_alive() and PORT_TAKEN in ''.join(filter(None, outs[0])):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      p.kill()
+    for reader in readers:
+      reader.join()
+  return outs
 
 
 def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
@@ -85,14 +115,10 @@ def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
   collective; on an overloaded 2-core machine one may still be compiling, so
   that one failure is retried once.
   """
-  for attempt in range(2):
+  for attempt in range(3):
     procs = spawn_two_processes(workdir, steps, ckpt_every, *extra, wrapper=wrapper)
-    try:
-      outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-      for p in procs:
-        p.kill()
-    if attempt == 0 and any(GLOO_RENDEZVOUS in out for out in outs):
+    outs = [out for out, _ in communicate_all(procs, timeout)]
+    if attempt < 2 and any(m in out for out in outs for m in RETRIED_STARTS):
       continue
     for p, out in zip(procs, outs):
       assert p.returncode == 0, out[-5000:]
@@ -114,12 +140,6 @@ def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
     procs.append(subprocess.Popen(args, cwd=REPO, env=trainer_env(2), text=True,
                                   stdout=out, stderr=subprocess.STDOUT))
   return procs
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def metrics(workdir) -> dict[int, dict[str, float]]:
@@ -335,3 +355,29 @@ def test_cluster_detection_from_the_environment(monkeypatch):
   monkeypatch.delenv('SLURM_NTASKS')
   monkeypatch.setattr(sharding.glob, 'glob', lambda pattern: ['/dev/accel0'] * ('accel' in pattern))
   assert sharding.cluster_detected() == 'Cloud TPU'
+
+
+@pytest.mark.parametrize('taken_on', ['127.0.0.1', ''])
+def test_a_coordinator_port_in_use_is_one_line_naming_it(tmp_path, taken_on):
+  """Process 0 serves the coordination service on every interface; a port another program
+  holds (on loopback or everywhere) used to end in gRPC's segmentation fault."""
+  with socket.socket() as holder:
+    holder.bind((taken_on, 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    proc = subprocess.run(
+        train_args(tmp_path / 'run', 2, 1, f'--coordinator_address=127.0.0.1:{port}',
+                   '--process_id=0', '--num_processes=2'),
+        cwd=REPO, env=trainer_env(2), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert len(lines) == 1 and f'port {port}' in lines[0] and PORT_TAKEN in lines[0], lines
+  assert 'Segmentation fault' not in proc.stderr and not (tmp_path / 'run').exists()
+
+
+def test_a_malformed_coordinator_address_is_one_line(tmp_path):
+  proc = subprocess.run(
+      train_args(tmp_path / 'run', 2, 1, '--coordinator_address=127.0.0.1', '--process_id=0',
+                 '--num_processes=2'),
+      cwd=REPO, env=trainer_env(2), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and 'is not host:port' in proc.stderr, proc.stderr[-3000:]

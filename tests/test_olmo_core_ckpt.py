@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import reproduce_olmo_core as repro  # noqa: E402
-from test_multihost import free_port  # noqa: E402
+from servers import free_port  # noqa: E402
 from xla_flags import with_devices  # noqa: E402
 
 # The shape of tests/test_reproduce.py (a few seconds per OLMo-core step on two cores).

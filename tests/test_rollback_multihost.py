@@ -28,7 +28,8 @@ import pytest
 
 import jax
 
-from test_multihost import GLOO_RENDEZVOUS, REPO, assert_params_close, free_port
+from servers import free_port
+from test_multihost import RETRIED_STARTS, REPO, assert_params_close, communicate_all
 from test_rollback import (INSTALL_POISON, LR, POISON_CODE, RUN, STEPS, WINDOW,  # noqa: F401
                            poisoned_files, read_log, run_config)
 from test_train import assert_states_equal, committed, config_flags, host_state
@@ -75,7 +76,7 @@ def run_two(workdir, files, *extra: str, kill: tuple[int, str] | None = None,
   Gloo gives the processes 30 s to meet at their first collective; on a loaded
   2-core machine one may still be compiling, so that one failure is retried once.
   """
-  for attempt in range(2):
+  for attempt in range(3):
     port = free_port()
     procs = [subprocess.Popen(
         argv(workdir, files, *extra, f'--coordinator_address=127.0.0.1:{port}',
@@ -83,12 +84,8 @@ def run_two(workdir, files, *extra: str, kill: tuple[int, str] | None = None,
              '--num_processes=2', f'--heartbeat_timeout={HEARTBEAT_TIMEOUT}'),
         cwd=REPO, env=env(DEVICES // 2, kill), text=True, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT) for i in range(2)]
-    try:
-      outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-      for p in procs:
-        p.kill()
-    if attempt == 0 and any(GLOO_RENDEZVOUS in out for out in outs):
+    outs = [out for out, _ in communicate_all(procs, timeout)]
+    if attempt < 2 and any(m in out for out in outs for m in RETRIED_STARTS):
       continue
     return [(p.returncode, out) for p, out in zip(procs, outs)]
 

@@ -46,7 +46,9 @@ import step_dirs
 import storage
 import storage_faults
 import workdir_lock
-from test_multihost import (GLOO_RENDEZVOUS, free_port, spawn_train, train_args, trainer_env)
+from servers import free_port
+from test_multihost import (RETRIED_STARTS, communicate_all, spawn_train, train_args,
+                            trainer_env)
 from test_rollback import INSTALL_POISON, LR, POISON_CODE, RUN, STEPS, WINDOW
 from test_rollback import poisoned_files  # noqa: F401  (a module fixture used here)
 from test_train import VOCAB, config_flags, timed
@@ -455,7 +457,7 @@ def two_processes(workdir: str, steps: int, ckpt_every: int, timeout: float = 30
   """train.py as two processes x 2 devices on localhost (jax.distributed); returns
   [(exit code, stdout, stderr)] per process. `wrap(i, argv)` may change process i's command.
   Gloo's 30 s rendezvous can fail on an overloaded machine: retried once."""
-  for attempt in range(2):
+  for attempt in range(3):
     port = free_port()
     procs = []
     for i in range(2):
@@ -463,13 +465,9 @@ def two_processes(workdir: str, steps: int, ckpt_every: int, timeout: float = 30
                         f'--process_id={i}', '--num_processes=2', '--heartbeat_timeout=10')
       procs.append(subprocess.Popen(wrap(i, args), cwd=REPO, env=trainer_env(2), text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    try:
-      outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-      for p in procs:
-        p.kill()
+    outs = communicate_all(procs, timeout)
     results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
-    if attempt == 0 and any(GLOO_RENDEZVOUS in out + err for _, out, err in results):
+    if attempt < 2 and any(m in out + err for _, out, err in results for m in RETRIED_STARTS):
       continue
     for rc, out, err in results:
       assert rc == expect_rc, (out + err)[-5000:]

@@ -34,7 +34,7 @@ import metrics  # noqa: E402
 import storage  # noqa: E402
 import tracking  # noqa: E402
 import train  # noqa: E402
-from test_multihost import free_port  # noqa: E402
+from servers import free_port  # noqa: E402
 from test_train import (REPO, STEPS, child_command, logged_steps,  # noqa: E402,F401
                         tiny_config, token_files)
 
