@@ -33,6 +33,10 @@ when a step is committed, which steps are kept, and which one is restored.
 Read failures fall in two kinds: damage raises CorruptCheckpointError, and
 restore_latest_good falls back past it; the storage refusing a read raises
 CheckpointReadError and nothing is moved, so fixing access brings the run back.
+
+It is a little longer than the house's ~600 lines: saving, committing, keeping and
+choosing the step to restore share one set of invariants (what COMMIT and HEALTH
+promise), and splitting them would put one protocol in two files.
 """
 
 import concurrent.futures

@@ -249,6 +249,7 @@ def _in_workers(chunks: list[Chunk], workers: int
         tasks.put(sent)
         sent += 1
       while i not in done:
+        _stop_if_signalled()
         try:
           j, out, err = results.get(timeout=1.0)
         except queue.Empty:
@@ -485,6 +486,7 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
     _init_worker(tokenizer, eos_id, vocab_size, text_field, batch_docs, invalid_unicode)
     results = map(tokenize_chunk, chunks) if workers == 1 else _in_workers(chunks, workers)
     for i, (chunk, out) in enumerate(zip(chunks, results)):
+      _stop_if_signalled()
       val = held_out(num_docs, out.lengths.size, validation_every)
       doc_of_token = np.repeat(val, out.lengths)
       writer.write(out.tokens[~doc_of_token])
@@ -541,9 +543,21 @@ def prepare(files: list[str], tokenizer: Tokenizer, *, output_dir: str, prefix: 
           'validation_in_training': int(copies.sum()), 'validation_copy_example': example}
 
 
+_STOPS: list[int] = []  # the stop signals main()'s handler took
+
+
 def _interrupted(signum, frame):
-  del signum, frame
+  """SIGINT/SIGTERM stop the run as Ctrl-C does. The signal is noted as well as raised:
+  Python prints and drops an exception raised while a finalizer runs (multiprocessing's
+  queues run some), so the tokenizing loops also check the note (_stop_if_signalled)."""
+  del frame
+  _STOPS.append(signum)
   raise KeyboardInterrupt
+
+
+def _stop_if_signalled() -> None:
+  if _STOPS:
+    raise KeyboardInterrupt
 
 
 def main(argv):
@@ -560,7 +574,8 @@ def main(argv):
                   errors.EXIT_USAGE)
   with errors.one_line():
     canonical_flags()
-  signal.signal(signal.SIGTERM, _interrupted)  # stops as Ctrl-C does: cleaned up, one line
+  for sig in (signal.SIGINT, signal.SIGTERM):  # both stop as Ctrl-C does: cleaned up, one line
+    signal.signal(sig, _interrupted)
   try:
     with errors.one_line():
       summary = run()
