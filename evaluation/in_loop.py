@@ -318,13 +318,12 @@ def downstream_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh,
   t = cfg.train
   if not olmo_eval_requests.active(t):
     return None
-  why = olmo_eval_requests.unavailable(cfg)
+  tokenizer, why = olmo_eval_requests.readiness(cfg)
   if why:
     logging.warning('Downstream evals (train.eval_tasks) are off: %s.', why)
     return None
   start = time.perf_counter()
-  tasks, packing, cached = packed_tasks(cfg, olmo_eval_requests.tokenizer_path(cfg.data),
-                                        cache_dir)
+  tasks, packing, cached = packed_tasks(cfg, tokenizer, cache_dir)
   _check_same_packing(packing)
   bounds = np.cumsum([0] + [len(task.entries) for task in tasks])
   the_plan = layout(packing, mesh, rows_per_batch(cfg, mesh))

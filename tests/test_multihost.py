@@ -42,7 +42,10 @@ TINY = ['--config=configs/small.py', '--config.model.num_layers=4', '--config.mo
         '--config.model.sliding_window=16', f'--config.data.seq_len={SEQ}',
         f'--config.data.global_batch_size={BATCH}', '--config.train.micro_batch_size=1',
         '--config.train.log_every=1', '--config.train.eval_every=0',
-        '--config.train.keep_last=100', '--config.train.peak_flops=1e12', '--sample_tokens=0']
+        '--config.train.keep_last=100', '--config.train.peak_flops=1e12', '--sample_tokens=0',
+        # The in-loop downstream tasks have their own tests (test_in_loop_eval.py); here they
+        # would add a plan and a scoring pass to every run's end.
+        '--config.train.downstream_eval_every=0']
 LOSS_RTOL = 2e-5  # float32 sums over a different device split: reduction order only
 
 

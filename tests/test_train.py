@@ -66,6 +66,7 @@ OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --conf
     'train.steps': STEPS, 'train.micro_batch_size': 2, 'train.log_every': 1,
     'train.ckpt_every': CKPT_EVERY, 'train.keep_last': 5, 'train.eval_every': 4,
     'train.peak_flops': 1e11,  # skip measuring the matmul peak in every run
+    'train.downstream_eval_every': 0,  # tested in test_in_loop_eval.py; here only a cost
 }
 
 
