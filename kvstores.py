@@ -250,8 +250,8 @@ def result(future: Any, op: str, location: str) -> Any:
     try:
       return future.result(timeout=max(0.0, start + notice - time.monotonic()))
     except TimeoutError:
-      if future.done():  # the operation's own error, not the wait's
-        raise
+      if future.done():  # it ended as the wait did, or with its own TimeoutError: its outcome
+        return future.result()
       logging.warning('Still %s %s on %s after %.0f s: the client retries a failing request '
                       'for up to %.0f s (OLMO_STORAGE_RETRIES), then this run stops; requests '
                       'go to %s.', op, location, describe(location), time.monotonic() - start,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import errors
+import kvstores
 import servers
 import storage
 import workdir_lock
@@ -232,3 +233,28 @@ def test_corrupt_bytes_in_a_remote_token_file_are_a_data_error_line(gcs_server, 
   rc, output = finish(start(str(tmp_path / 'run'), *TOKEN_FLAGS,
                             f'--config.data.paths=("{root}/{TRAIN}",)'))
   one_line(output, errors.EXIT_DATA, rc, f'{root}/{TRAIN}', 'token id 70000', 'vocab_size 8192')
+
+
+class _LateFuture:
+  """A future whose wait times out just as it ends (the race a loaded machine makes): the
+  first `result(timeout)` raises the wait's TimeoutError, after which it is done."""
+
+  def __init__(self, outcome):
+    self.outcome, self.waited = outcome, False
+
+  def result(self, timeout=None):
+    if timeout is not None and not self.waited:
+      self.waited = True
+      raise TimeoutError  # the wait's, not the operation's
+    if isinstance(self.outcome, Exception):
+      raise self.outcome
+    return self.outcome
+
+  def done(self):
+    return self.waited
+
+
+def test_an_operation_ending_as_the_wait_times_out_gives_its_own_outcome():
+  assert kvstores.result(_LateFuture('value'), 'deleting', 'gs://b/x') == 'value'
+  with pytest.raises(ValueError, match='its own'):
+    kvstores.result(_LateFuture(ValueError('its own')), 'deleting', 'gs://b/x')
