@@ -37,7 +37,6 @@ naming the skipped windows. docs/rollback.md has the whole story.
 
 import json
 import re
-import sys
 import time
 from typing import Any
 
