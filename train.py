@@ -22,10 +22,10 @@ Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 
 import gc
 # The command line pauses Python's cyclic collector until its first step is done
-# (resume_gc). Start-up (imports, tracing and lowering the step) makes millions of
-# objects that reference counting frees; the collector's passes over them found
-# nothing to free and cost ~0.4 s of a 3 s warm restart (docs/goodput.md). Imported as
-# a library (tests, plan.py), the collector is left as it is.
+# (resume_gc). Start-up (imports, tracing and lowering the step) makes objects by the
+# hundred thousand, which reference counting frees; the collector's ~500 passes over
+# them cost ~0.3 s of a 3.5 s warm restart (docs/goodput.md). Imported as a library
+# (tests, plan.py), train.py leaves the collector as it is.
 GC_PAUSED_FOR_STARTUP = __name__ == '__main__'
 if GC_PAUSED_FOR_STARTUP:
   gc.disable()

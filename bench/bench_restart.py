@@ -138,6 +138,8 @@ def main() -> None:
   p.add_argument('--plan_7b', action='store_true', help="the 7B's task plan, cold and cached")
   p.add_argument('--limit', type=int, default=0, help='--plan_7b: documents per task (0: all)')
   args = p.parse_args()
+  if args.repeats < 1 or args.steps < 1:
+    p.error('--repeats and --steps take a whole number >= 1')
   print(f'load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs')
   plan_7b(args) if args.plan_7b else restart(args)
   print(f'load average {os.getloadavg()[0]:.2f} after')
