@@ -32,6 +32,7 @@ starts; interpolated otherwise).
 """
 
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -70,8 +71,11 @@ _IMPORTED = time.time()
 class Account:
   """One process's phase clock and its record in <workdir>/goodput/ (process 0 writes)."""
 
-  def __init__(self, workdir: str, start: float | None = None):
+  def __init__(self, workdir: str, start: float | None = None, collector_paused: bool = False):
+    """collector_paused: the process turned Python's cyclic collector off for its start-up
+    (`python train.py`); it is turned on at the first step, or at the end if none is taken."""
     self.workdir, self.folder = workdir, storage.join(workdir, FOLDER)
+    self.collector_paused = collector_paused
     self.start = process_start_time() if start is None else start
     self.writes = False  # until __enter__: nothing goes to a workdir before train.py locks it
     self.previous: list[dict[str, Any]] = []  # the run's earlier processes
@@ -97,6 +101,7 @@ class Account:
     code = 0 if error is None else getattr(error, 'exit_code', 1)
     if isinstance(error, SystemExit):
       code = error.code if isinstance(error.code, int) else 1
+    self.resume_collector()
     self.switch('other')
     self.exit_code = code
     self.record()
@@ -188,6 +193,13 @@ class Account:
     seconds = self.first_step()
     print(f'time to first step {seconds:.1f}s (process start to step {step})', flush=True)
     writer.write(step, {'goodput/time to first step (s)': seconds})
+    self.resume_collector()
+
+  def resume_collector(self) -> None:
+    """Ends the start-up's pause of the cyclic collector (collector_paused)."""
+    if self.collector_paused:
+      self.collector_paused = False
+      gc.enable()
 
 
 # --- The run's account ----------------------------------------------------------------

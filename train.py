@@ -21,16 +21,10 @@ Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
 import gc
-# The command line pauses Python's cyclic collector until its first step is done
-# (resume_gc). Start-up (imports, tracing and lowering the step) makes objects by the
-# hundred thousand, which reference counting frees; the collector's ~500 passes over
-# them cost ~0.3 s of a 3.5 s warm restart (docs/goodput.md). Imported as a library
-# (tests, plan.py), train.py leaves the collector as it is.
-GC_PAUSED_FOR_STARTUP = __name__ == '__main__'
-if GC_PAUSED_FOR_STARTUP:
-  gc.disable()
+if __name__ == '__main__':  # start-up without the cyclic collector: on again after the
+  gc.disable()  # first step (goodput.Account), ~0.3 s sooner there (docs/goodput.md)
 
-import contextlib  # noqa: E402  (after the pause, so the imports run without the collector)
+import contextlib  # noqa: E402  (after the pause: imports run without the collector)
 import sys
 import time
 from typing import Any, NamedTuple
@@ -254,7 +248,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   Then process 0 locks the workdir: another run's clean-up would take this
   one's in-flight save for a crashed one's leftovers.
   """
-  account = goodput.Account(workdir := storage.canonical(workdir))  # timed from the process start
+  account = goodput.Account(workdir := storage.canonical(workdir),  # timed from the process start
+                            collector_paused=__name__ == '__main__')
   account.switch('training prep')
   config_checks.validate(config_checks.complete(cfg))
   config_checks.check_sources(cfg)
@@ -303,12 +298,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   return last
 
 
-def resume_gc() -> None:
-  """Ends the command line's start-up pause of the cyclic collector (GC_PAUSED_FOR_STARTUP)."""
-  if GC_PAUSED_FOR_STARTUP:
-    gc.enable()
-
-
 def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start: int,
          train_step: Any, loader: data.Loader, ckpt: checkpoint.Checkpointer, ds: Any, mesh: Mesh,
          recovery: rollback.Recovery, make_loader: Any, account: goodput.Account
@@ -351,7 +340,6 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
         if account.first_step_s is None:  # its compile, and the wait for it, are start-up
           account.first_step_done(step + 1, step_metrics, writer)
-          resume_gc()
       step += 1
       profile.after_step(step, state)
       step_metrics = {**step_metrics, **recovery.counters(step)}
@@ -417,7 +405,6 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
     with account.phase('checkpoint save'):
       ckpt.close()
   finally:
-    resume_gc()  # a run already complete takes no step
     preempt.close()
     profile.close()  # a trace cut short by the end of the loop is still saved
     loader.close()

@@ -8,6 +8,7 @@ The reference for that time is the killed process's own `time/step` records
 wall time is this test's clock around the two processes.
 """
 
+import gc
 import json
 import os
 import pathlib
@@ -74,6 +75,19 @@ def test_the_phase_clock_adds_up_to_the_process_time(tmp_path):
   # The process's start is the OS's, before this test's imports: older than this account.
   assert record['start'] <= account.since - 0.05
   assert record['exit_code'] == 0
+
+
+def test_a_process_that_takes_no_step_turns_the_collector_on_at_its_end(tmp_path):
+  try:
+    gc.disable()
+    with goodput.Account(str(tmp_path)):  # not paused by this process: left as it is
+      pass
+    assert not gc.isenabled()
+    with goodput.Account(str(tmp_path), collector_paused=True):  # `python train.py`
+      assert not gc.isenabled()
+    assert gc.isenabled()
+  finally:
+    gc.enable()
 
 
 def test_compilation_cache_setting(tmp_path, monkeypatch):
