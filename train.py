@@ -271,10 +271,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   with lock, account:
     ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
-    if not ckpt.committed_steps():
-      misplaced = step_dirs.check_fresh_start(ckpt.directory, workdir)
-      if misplaced:
-        health.warn(f'WARNING: {misplaced}')
+    if not ckpt.committed_steps() and (
+        misplaced := step_dirs.check_fresh_start(ckpt.directory, workdir)):
+      health.warn(f'WARNING: {misplaced}')
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     with account.phase('checkpoint restore' if ckpt.committed_steps() else 'training prep'):
       state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
