@@ -212,7 +212,7 @@ finally:
 
 @pytest.mark.slow  # a train.py process
 def test_the_collector_waits_for_the_first_step(tmp_path):
-  """train.py's start-up runs without the cyclic collector (~0.4 s less), which is on again
+  """train.py's start-up runs without the cyclic collector (~0.3 s less), which is on again
   from its first step: no collection before it, the collector enabled after it."""
   # pylint: disable-next=import-outside-toplevel
   from test_multihost import train_args, trainer_env
