@@ -21,8 +21,9 @@ Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
 import gc
-if __name__ == '__main__':  # start-up without the cyclic collector: on again after the
-  gc.disable()  # first step (goodput.Account), ~0.3 s sooner there (docs/goodput.md)
+COLLECTOR_PAUSED = __name__ == '__main__'  # the command line starts without the cyclic
+if COLLECTOR_PAUSED:  # collector, on again after the first step (goodput.Account): that
+  gc.disable()  # step comes ~0.3 s sooner (docs/goodput.md)
 
 import contextlib  # noqa: E402  (after the pause: imports run without the collector)
 import sys
@@ -249,7 +250,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   one's in-flight save for a crashed one's leftovers.
   """
   account = goodput.Account(workdir := storage.canonical(workdir),  # timed from the process start
-                            collector_paused=__name__ == '__main__')
+                            collector_paused=COLLECTOR_PAUSED)
   account.switch('training prep')
   config_checks.validate(config_checks.complete(cfg))
   config_checks.check_sources(cfg)

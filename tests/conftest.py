@@ -17,10 +17,10 @@ import jax  # noqa: E402  (must follow the XLA_FLAGS line)
 import pytest  # noqa: E402
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
-# Tracing makes objects by the million and frees them by reference count; at Python's
-# default (a young collection every 700 net allocations) the collector's passes cost the
-# in-process tests ~8% of their time for nothing (tests/test_kernels.py and
-# test_model.py: 133 s -> 123 s). Rarer young collections keep cycles bounded all the same.
+# Tracing makes objects by the hundred thousand and frees them by reference count; at
+# Python's default (a young collection every 700 net allocations) the collector's passes
+# cost the in-process tests ~8% of their time (tests/test_kernels.py and test_model.py:
+# 133 s -> 123 s, one run each). Rarer young collections keep cycles bounded all the same.
 gc.set_threshold(100_000, 50, 100)
 
 
