@@ -212,12 +212,15 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   """Joins a multi-process run before any device is touched; a no-op for one process.
 
   Explicit coordinator_address/process_id/num_processes win; otherwise JAX's
-  own detection runs on TPU pods and under SLURM. CPU processes talk through
-  gloo collectives (local multi-process tests).
+  own detection runs on TPU pods and under SLURM. num_processes=1 alone is one
+  process with no detection (a lone TPU host whose metadata server is out of
+  reach). CPU processes talk through gloo collectives (local multi-process tests).
   """
   explicit = {'coordinator_address': coordinator_address, 'process_id': process_id,
               'num_processes': num_processes}
   given = [k for k, v in explicit.items() if v is not None]
+  if given == ['num_processes'] and num_processes == 1:
+    return
   if given and len(given) < 3:
     raise errors.ConfigError(f'--{", --".join(given)} given without '
                              f'--{", --".join(sorted(set(explicit) - set(given)))}; a '
@@ -231,8 +234,17 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # A dead peer is noticed by its missing heartbeats: the survivors abort
   # instead of hanging in a collective, so the launcher can restart them all.
-  jax.distributed.initialize(**(explicit if given else {}),
-                             heartbeat_timeout_seconds=heartbeat_timeout)
+  try:
+    jax.distributed.initialize(**(explicit if given else {}),
+                               heartbeat_timeout_seconds=heartbeat_timeout)
+  except Exception as e:  # pylint: disable=broad-except
+    if source != 'Cloud TPU' or 'metadata' not in f'{e!r} {e.__context__!r}':
+      raise
+    raise errors.ConfigError(  # seen on a single-chip TPU host without a metadata server
+        'this host has TPU chips, so JAX asked the Cloud TPU metadata server for the '
+        f'slice\'s hosts, and it could not be reached ({type(e).__name__}); on a single '
+        'host pass --num_processes=1, on a pod --coordinator_address, --process_id and '
+        '--num_processes.') from e
   logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
 
@@ -272,7 +284,8 @@ def define_host_flags() -> None:
   flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 in a multi-process '
                       'run (default: detected on TPU pods and under SLURM).')
   flags.DEFINE_integer('process_id', None, 'This process (with --coordinator_address).')
-  flags.DEFINE_integer('num_processes', None, 'Processes (with --coordinator_address).')
+  flags.DEFINE_integer('num_processes', None, 'Processes (with --coordinator_address); 1 '
+                       'alone: one process, no detection.')
   flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
                        'other processes of a multi-process run abort (JAX default 100).')
 

@@ -1,9 +1,11 @@
 """Restart cost: process start to step 1, cold and warm, and the in-loop task plan.
 
     python bench/bench_restart.py [--tiny] [--steps=2] [--downstream] [--repeats=1]
+                                  [--platforms=cpu]
     python bench/bench_restart.py --plan_7b [--limit=0]
 
-Restart (configs/small.py, train.py as a user runs it, one CPU device):
+Restart (configs/small.py, train.py as a user runs it, one CPU device; with
+--platforms= JAX's own choice, e.g. one TPU chip):
   cold   a fresh workdir, an empty compilation cache and plan cache: steps
          1..steps, a checkpoint at the last;
   warm   the same command with train.steps raised by `steps`: it resumes from
@@ -60,8 +62,8 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def run_train(workdir: str, steps: int, extra: list[str]) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+def run_train(workdir: str, steps: int, extra: list[str], platforms: str) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS=platforms, PYTHONUNBUFFERED='1')
   env.pop('JAX_COMPILATION_CACHE_DIR', None)  # the config's 'auto': <workdir>/xla_cache
   env['XDG_CACHE_HOME'] = os.path.join(workdir, 'xdg')
   child = os.path.join(workdir, 'child.py')
@@ -69,7 +71,7 @@ def run_train(workdir: str, steps: int, extra: list[str]) -> dict:
     f.write(CHILD.format(repo=REPO))
   args = [sys.executable, child, '--config=configs/small.py', f'--workdir={workdir}/run',
           f'--config.train.steps={steps}', f'--config.train.ckpt_every={steps}',
-          '--config.train.log_every=1', '--sample_tokens=0', *extra]
+          '--config.train.log_every=1', '--sample_tokens=0', '--num_processes=1', *extra]
   start = time.time()
   out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
   if out.returncode:
@@ -90,8 +92,8 @@ def restart(args) -> None:
   ratios = []
   for _ in range(args.repeats):  # each pair in a fresh workdir, with empty caches
     with tempfile.TemporaryDirectory() as workdir:
-      cold = run_train(workdir, args.steps, extra)
-      warm = run_train(workdir, 2 * args.steps, extra)
+      cold = run_train(workdir, args.steps, extra, args.platforms)
+      warm = run_train(workdir, 2 * args.steps, extra, args.platforms)
     for name, r in (('cold', cold), ('warm', warm)):
       print(f"{name}: time to first step {r['time to first step (s)']:.1f}s  (process "
             f"{r['process (s)']:.1f}s; JAX cache {r['cache events']}; plan {r['plan']})")
@@ -134,6 +136,8 @@ def main() -> None:
   p.add_argument('--tiny', action='store_true', help='a tiny model: a smoke test')
   p.add_argument('--steps', type=int, default=2)
   p.add_argument('--repeats', type=int, default=1, help='cold/warm pairs, each in a new workdir')
+  p.add_argument('--platforms', default='cpu',
+                 help="the children's JAX_PLATFORMS ('': JAX's choice, e.g. a TPU)")
   p.add_argument('--downstream', action='store_true', help="keep small's in-loop tasks")
   p.add_argument('--plan_7b', action='store_true', help="the 7B's task plan, cold and cached")
   p.add_argument('--limit', type=int, default=0, help='--plan_7b: documents per task (0: all)')

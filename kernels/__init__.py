@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 import ml_collections
 
 from kernels import context_parallel
+from kernels import flash_kernels
 from kernels import xla
 from kernels.flash_attention import BlockSizes
 from kernels.flash_attention import block_schedule
@@ -61,6 +62,13 @@ def cudnn_unsupported(cfg: ml_collections.ConfigDict, segments: bool) -> str:
   return ''
 
 
+def pallas_unsupported(cfg: ml_collections.ConfigDict) -> str:
+  """Why the Pallas kernel cannot run this model's attention ('' if it can)."""
+  if cfg.head_dim % flash_kernels.LANES:
+    return f'head_dim {cfg.head_dim} (the kernel takes multiples of {flash_kernels.LANES})'
+  return ''
+
+
 def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
             segments: bool) -> tuple[str, str]:
   """(impl, why) for cfg.attention_impl on `platform` (default: JAX's backend).
@@ -72,7 +80,10 @@ def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
     return cfg.attention_impl, 'set in the config'
   platform = platform or jax.default_backend()
   if platform == 'tpu':
-    return 'pallas', 'auto on TPU: the Pallas flash kernel'
+    reason = pallas_unsupported(cfg)
+    if not reason:
+      return 'pallas', 'auto on TPU: the Pallas flash kernel'
+    return 'xla', f'auto on TPU: the Pallas kernel does not support {reason}'
   if platform in ('gpu', 'cuda', 'rocm'):
     reason = cudnn_unsupported(cfg, segments)
     if not reason:

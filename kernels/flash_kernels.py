@@ -52,6 +52,16 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
+def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+  """a . b accumulated in float32. bf16 operands take the MXU's native pass even under
+  jax_default_matmul_precision='highest' (Mosaic refuses an fp32 contract precision on
+  bf16 operands: "Bad lhs type", seen on a TPU v5e); float32 operands follow that
+  setting, as XLA's own dots do (default: one bf16 pass on a TPU)."""
+  precision = jax.lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else None
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
 def _lanes(x_QL, width: int):
   """Widens a lane-replicated [Q, L] statistic to [Q, width]."""
   return x_QL if width == LANES else jnp.tile(x_QL, (1, width // LANES))
@@ -120,8 +130,7 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, *r
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
   def step(masked: bool):
-    s_QC = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
-                               preferred_element_type=jnp.float32) * scale
+    s_QC = _dot(q_ref[...], k_ref[...], _NT) * scale
     if masked:
       s_QC = _mask(s_QC, qpos, kj * block_kv, window,
                    (segq_ref, segk_ref) if has_segments else None)
@@ -131,8 +140,7 @@ def _fwd_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, *r
     alpha = jnp.exp(m_prev - m_next)  # rescales what earlier blocks summed
     l_scr[...] = alpha * l_scr[...] + jnp.sum(p_QC, axis=1, keepdims=True)
     m_scr[...] = m_next
-    pv_QK = jax.lax.dot_general(p_QC.astype(v_ref.dtype), v_ref[...], _NN,
-                                preferred_element_type=jnp.float32)
+    pv_QK = _dot(p_QC.astype(v_ref.dtype), v_ref[...], _NN)
     acc_scr[...] = acc_scr[...] * _lanes(alpha, head_dim) + pv_QK
 
   _run_masked_or_not(flags, has_segments, step)
@@ -231,17 +239,14 @@ def _dq_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do_
 
   def step(masked: bool):
     k = k_ref[...]
-    s_QC = jax.lax.dot_general(q_ref[...], k, _NT,
-                               preferred_element_type=jnp.float32) * scale
+    s_QC = _dot(q_ref[...], k, _NT) * scale
     if masked:
       s_QC = _mask(s_QC, qpos, kj * block_kv, window,
                    (segq_ref, segk_ref) if has_segments else None)
     p_QC = jnp.exp(s_QC - jnp.expand_dims(lse_ref[0], -1))
-    dp_QC = jax.lax.dot_general(do_ref[...], v_ref[...], _NT,
-                                preferred_element_type=jnp.float32)
+    dp_QC = _dot(do_ref[...], v_ref[...], _NT)
     ds_QC = p_QC * (dp_QC - jnp.expand_dims(di_ref[0], -1))
-    dq_scr[...] += jax.lax.dot_general(ds_QC.astype(k.dtype), k, _NN,
-                                       preferred_element_type=jnp.float32)
+    dq_scr[...] += _dot(ds_QC.astype(k.dtype), k, _NN)
 
   _run_masked_or_not(flags, has_segments, step)
 
@@ -333,19 +338,15 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do
 
   def step(masked: bool):
     q, do = q_ref[...], do_ref[...]
-    s_CQ = jax.lax.dot_general(k_ref[...], q, _NT,
-                               preferred_element_type=jnp.float32) * scale
+    s_CQ = _dot(k_ref[...], q, _NT) * scale
     if masked:
       s_CQ = _mask(s_CQ, kj * block_kv, qpos, window,
                    (segk_ref, segq_ref) if has_segments else None, keys_on_rows=True)
     p_CQ = jnp.exp(s_CQ - lse_ref[:1, :])
-    dv_scr[...] += jax.lax.dot_general(p_CQ.astype(do.dtype), do, _NN,
-                                       preferred_element_type=jnp.float32)
-    dp_CQ = jax.lax.dot_general(v_ref[...], do, _NT,
-                                preferred_element_type=jnp.float32)
+    dv_scr[...] += _dot(p_CQ.astype(do.dtype), do, _NN)
+    dp_CQ = _dot(v_ref[...], do, _NT)
     ds_CQ = p_CQ * (dp_CQ - di_ref[:1, :])
-    dk_scr[...] += jax.lax.dot_general(ds_CQ.astype(q.dtype), q, _NN,
-                                       preferred_element_type=jnp.float32)
+    dk_scr[...] += _dot(ds_CQ.astype(q.dtype), q, _NN)
 
   _run_masked_or_not(flags, has_segments, step)
 

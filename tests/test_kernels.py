@@ -32,7 +32,23 @@ fa = importlib.import_module('kernels.flash_attention')  # the module, not the f
 #   probabilities, dS and the outputs to bf16 (relative step 2^-8 = 3.9e-3), so
 #   1e-2 is about two bf16 steps; observed <= 4.2e-3 (the f32 XLA reference
 #   on the same inputs: <= 3.5e-3).
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# On a TPU (the kernels compiled by Mosaic, not interpreted: docs/results/kernels.md
+#   says how to run this file there), f32 dots run at 'highest' (the fixture below;
+#   the default is one bf16 pass, ~3e-3), and the chip's f32 exp and division are
+#   a few ulps coarser: gradients were seen within 7e-5 of float64 on a v5e.
+ON_TPU = jax.default_backend() == 'tpu'
+INTERPRET = False if ON_TPU else pltpu.InterpretParams()
+TOLERANCE = {jnp.float32: 2e-4 if ON_TPU else 1e-5, jnp.bfloat16: 1e-2}
+F32_TOL = TOLERANCE[jnp.float32]
+
+
+@pytest.fixture(autouse=True)
+def _f32_dots_in_full():
+  if not ON_TPU:
+    yield
+    return
+  with jax.default_matmul_precision('highest'):
+    yield
 
 
 def _inputs(seed, b, t, h, g, d, dtype, with_segments):
@@ -74,7 +90,7 @@ def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, bl
   q, k, v, do, seg = _inputs(0, 1, t, h, g, d, dtype, segments)
   f = lambda q, k, v: kernels.flash_attention(
       q, k, v, window=window, segment_ids_BT=seg, block_q=block_q,
-      block_kv=block_kv, interpret=pltpu.InterpretParams())
+      block_kv=block_kv, interpret=INTERPRET)
   o, vjp = jax.vjp(jax.jit(f), q, k, v)  # one program, not op-by-op dispatch
   grads = vjp(do)
   o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
@@ -103,9 +119,37 @@ def test_two_cores_and_random_grid_order(window):
 
 def test_window_at_least_seq_len_is_causal():
   q, k, v, do, _ = _inputs(2, 1, 256, 2, 1, 128, jnp.float32, False)
-  o = kernels.flash_attention(q, k, v, window=10_000, interpret=True)
+  o = kernels.flash_attention(q, k, v, window=10_000, interpret=not ON_TPU)
   o_ref, _ = attention_np(q, k, v, do, None, None)
-  assert _rel_err(o, o_ref) < 1e-5
+  assert _rel_err(o, o_ref) < F32_TOL
+
+
+def _inner_dots(jaxpr):
+  """Every dot_general inside the pallas_calls of a closed jaxpr, at any depth."""
+  for eqn in jaxpr.eqns:
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, 'jaxpr', sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from (e for e in _inner_dots(sub) if e.primitive.name == 'dot_general')
+          yield from (e for e in sub.eqns if e.primitive.name == 'dot_general')
+
+
+def test_bf16_dots_keep_the_native_pass_under_highest_precision():
+  """Under jax_default_matmul_precision='highest', a bf16 dot in a kernel must not ask
+  for fp32 contract precision: Mosaic refuses it ("Bad lhs type", seen on a v5e)."""
+  q, k, v, do, _ = _inputs(6, 1, 256, 2, 1, 128, jnp.bfloat16, False)
+  f = lambda q, k, v: kernels.flash_attention(q, k, v, window=100, interpret=True)
+  with jax.default_matmul_precision('highest'):
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v)
+    f32_jaxpr = jax.make_jaxpr(f)(*(x.astype(jnp.float32) for x in (q, k, v)))
+  dots = list(_inner_dots(jaxpr.jaxpr))
+  assert len(dots) >= 5  # the backward kernels' own: dp, dq, dv, dp, dk (and the forward's)
+  for eqn in dots:
+    assert eqn.params['precision'] in (None, (jax.lax.Precision.DEFAULT,) * 2), eqn
+  f32_dots = list(_inner_dots(f32_jaxpr.jaxpr))
+  assert f32_dots and all(e.params['precision'] == (jax.lax.Precision.HIGHEST,) * 2
+                          for e in f32_dots)  # f32 follows the setting, as XLA's dots do
 
 
 def test_reference_attention_matches_oracle():
@@ -132,11 +176,12 @@ def test_remat_scan_gradients_match_reference():
     return jnp.sum(x**2)
 
   pallas = lambda *a, **kw: kernels.flash_attention(
-      *a, **kw, block_q=128, block_kv=128, interpret=True)
+      *a, **kw, block_q=128, block_kv=128, interpret=not ON_TPU)  # (InterpretParams' callbacks
+      # cannot be rematerialised)
   g = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w_L, q, pallas)
   g_ref = jax.grad(loss, argnums=(0, 1))(w_L, q, model.reference_attention)
   for x, ref in zip(g, g_ref):
-    assert _rel_err(x, np.asarray(ref, np.float64)) < 1e-5
+    assert _rel_err(x, np.asarray(ref, np.float64)) < F32_TOL
 
 
 # ---------------------------------------------------------------------------
@@ -269,7 +314,7 @@ def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segmen
   def run(q, k, v, do, row):
     f = lambda q, k, v: kernels.flash_attention(
         q, k, v, window=window, segment_ids_BT=seg, block_q=128, block_kv=128,
-        interpret=pltpu.InterpretParams(), q_chunk_row=row, **kwargs)
+        interpret=INTERPRET, q_chunk_row=row, **kwargs)
     o, vjp = jax.vjp(f, q, k, v)
     return o, vjp(do)
 
@@ -278,9 +323,9 @@ def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segmen
     q, do = q_full[:, q_pos], do_full[:, q_pos]
     o, grads = run(q, k, v, do, jnp.int32(row))
     o_ref, grads_ref = _embedded_oracle(q_pos, q, k, v, do, window, seg)
-    assert o.shape == q.shape and _rel_err(o, o_ref) < 1e-5, row
+    assert o.shape == q.shape and _rel_err(o, o_ref) < F32_TOL, row
     for name, x, ref in zip(('dq', 'dk', 'dv'), grads, grads_ref):
-      assert _rel_err(x, ref) < 1e-5, (row, name)
+      assert _rel_err(x, ref) < F32_TOL, (row, name)
 
 
 def test_query_layout_errors_are_clear():
@@ -441,6 +486,7 @@ def _model_cfg(**overrides):
 
 @pytest.mark.parametrize('platform,overrides,segments,want', [
     ('tpu', {}, True, 'pallas'),
+    ('tpu', dict(head_dim=64, num_heads=8, num_kv_heads=8), False, 'xla'),  # small.py's
     ('gpu', {}, False, 'cudnn'),
     ('gpu', {}, True, 'xla'),  # cuDNN takes no segment ids
     ('gpu', dict(dtype='float32'), False, 'xla'),

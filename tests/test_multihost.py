@@ -360,6 +360,33 @@ def test_cluster_detection_from_the_environment(monkeypatch):
   assert sharding.cluster_detected() == 'Cloud TPU'
 
 
+def test_a_tpu_host_without_its_metadata_server_is_one_line_or_one_process(monkeypatch):
+  """Seen on a single-chip TPU v5e host with no metadata server: JAX's slice detection
+  ended in a requests traceback. The stand-in raises what JAX raised there."""
+  import errors  # pylint: disable=g-import-not-at-top
+  import sharding  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sharding.glob, 'glob', lambda pattern: ['/dev/accel0'] * ('accel' in pattern))
+  for var in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES',
+              'MEGASCALE_COORDINATOR_ADDRESS'):
+    monkeypatch.delenv(var, raising=False)
+  calls = []
+
+  def unreachable(**kwargs):
+    calls.append(kwargs)
+    raise ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max "
+                          'retries exceeded with url: /computeMetadata/v1/instance/attributes/'
+                          'tpu-env')
+  monkeypatch.setattr(sharding.jax.distributed, 'initialize', unreachable)
+  monkeypatch.setattr(sharding.jax.config, 'update', lambda *a: None)  # keep this worker's
+  with pytest.raises(errors.ConfigError, match='on a single host pass --num_processes=1'):
+    sharding.init_distributed()
+  assert len(calls) == 1
+  sharding.init_distributed(num_processes=1)  # one process: nothing detected, nothing joined
+  assert len(calls) == 1
+  with pytest.raises(errors.ConfigError, match='given without'):
+    sharding.init_distributed(num_processes=2)
+
+
 @pytest.mark.parametrize('taken_on', ['127.0.0.1', ''])
 def test_a_coordinator_port_in_use_is_one_line_naming_it(tmp_path, taken_on):
   """Process 0 serves the coordination service on every interface; a port another program
