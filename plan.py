@@ -175,8 +175,8 @@ def default_platform(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
   lanes = flash_kernels.LANES
   if cfg.model.attention_impl in ('auto', 'pallas') and cfg.model.head_dim % lanes:
     return 'cpu', (f'default: the TPU flash kernel needs head_dim a multiple of {lanes}, not '
-                   f'{cfg.model.head_dim}; --platform=tpu with '
-                   "--config.model.attention_impl=xla plans it for a TPU")
+                   f'{cfg.model.head_dim}; --platform=tpu plans it for a TPU with XLA '
+                   'attention')
   return 'tpu', 'default'
 
 
@@ -307,7 +307,7 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
   if p.compiles and p.attention.split()[0] in ('pallas', 'cudnn'):
     lines.append('  the CPU compile used an O(T)-memory stand-in for that kernel '
                  "(attention_impl='flash_stand_in')")
-  if p.platform == 'tpu':
+  if p.platform == 'tpu' and p.attention.startswith('pallas'):
     lines.append(f"  lowered for the TPU: {', '.join(p.tpu_kernels) or 'NO Pallas kernel'} "
                  'in the train step')
   if p.warning:

@@ -134,6 +134,7 @@ def test_bad_meshes_name_the_fix():
 def test_auto_attention_is_planned_as_the_target_runs_it(platform, want):
   cfg = _config()
   cfg.model.dtype = 'bfloat16'  # cuDNN takes bf16
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2)  # the TPU kernel's head_dim
   compiled, attention = plan.compile_config(cfg, platform)
   assert attention.startswith(want)
   assert compiled.model.attention_impl == ('xla' if want == 'xla' else 'flash_stand_in')
@@ -145,6 +146,7 @@ def test_flash_stand_in_has_flash_memory_not_xla_memory():
   # stand-in, like a flash kernel, has none of them.
   cfg = _config()
   cfg.data.seq_len, cfg.model.sliding_window = 1024, 1024
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2)  # the TPU kernel's head_dim
   xla = plan.compile_step(plan.compile_config(cfg, 'cpu')[0], jax.devices()[:4])
   flash = plan.compile_step(plan.compile_config(cfg, 'tpu')[0], jax.devices()[:4])
   probs = 4 * cfg.model.num_heads * 1024 * 128  # one [H, T, 128-key block] f32 tile, at least
