@@ -31,11 +31,13 @@ from productive to wasted (exact at a save step, which is where a resume
 starts; interpolated otherwise).
 """
 
+import atexit
 import contextlib
 import gc
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -316,3 +318,29 @@ def compilation_cache(setting: str, workdir: str) -> str:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   return folder
+
+
+def compile_ahead(step: Any, *abstract_args: Any) -> Any:
+  """`step` (a jitted function), traced, lowered and compiled for `abstract_args` on a
+  thread while the caller goes on (train.py: the restore, the loader, the evaluators);
+  returns a callable that waits for that compile at its first call and then calls `step`.
+
+  jit keeps what an ahead-of-time compile made: the first call of `step` with values
+  of those shapes and shardings runs at once. A compile that fails here is left to
+  that first call, which compiles again and raises. A process that ends while the
+  thread compiles aborts inside XLA (seen on XLA:CPU, exit 134), so its exit waits
+  for the thread (atexit), after its error line is printed.
+  """
+  def compile_it():
+    try:
+      step.trace(*abstract_args).lower().compile()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the first call meets it
+  thread = threading.Thread(target=compile_it, name='compile ahead', daemon=True)
+  thread.start()
+  atexit.register(thread.join)
+
+  def call(*args):
+    thread.join()  # at once after the first call
+    return step(*args)
+  return call

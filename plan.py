@@ -46,9 +46,8 @@ from typing import Any
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 from jax.sharding import AbstractDevice
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
@@ -118,18 +117,6 @@ def compile_config(cfg: ml_collections.ConfigDict, platform: str
   return compiled, f'{impl} ({why})'
 
 
-def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-  B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  rows = sharding.batch_sharding(mesh)
-  batch = {'tokens': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
-           'labels': jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows),
-           'instance_mask': jax.ShapeDtypeStruct(
-               (B,), jnp.bool_, sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))}
-  if cfg.data.document_masking:
-    batch['segment_ids'] = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
-  return batch
-
-
 def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled:
   """AOT-compiles the real train step on `devices` and reads its memory analysis."""
   start = time.perf_counter()
@@ -145,7 +132,7 @@ def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
   """(jitted train step, abstract state, abstract batch, micro-batches) on `mesh`."""
   tx = optim.make_optimizer(cfg.opt)
   state = train.abstract_state(cfg, tx, mesh)
-  batch = abstract_batch(cfg, mesh)
+  batch = sharding.abstract_batch(cfg.data, mesh)
   shards = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = batches.grad_accum_steps(cfg.data.global_batch_size, shards, cfg.train.micro_batch_size)
   shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -119,6 +119,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
+def abstract_batch(cfg_data: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh
+                   ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch data.Loader yields (batches.make_batch's keys), as ShapeDtypeStructs
+  with their shardings: what an ahead-of-time compile of the train step takes."""
+  B, T = cfg_data.global_batch_size, cfg_data.seq_len
+  rows = NamedSharding(mesh, P(BATCH_AXES, None))
+  batch = {'tokens': jax.ShapeDtypeStruct((B, T), np.int32, sharding=rows),
+           'labels': jax.ShapeDtypeStruct((B, T), np.int32, sharding=rows),
+           'instance_mask': jax.ShapeDtypeStruct((B,), np.bool_,
+                                                 sharding=NamedSharding(mesh, P(BATCH_AXES)))}
+  if cfg_data.document_masking:
+    batch['segment_ids'] = jax.ShapeDtypeStruct((B, T), np.int32, sharding=rows)
+  return batch
+
+
 def sequence_layout(cfg_model: ml_collections.ConfigDict, mesh: Mesh,
                     batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Under context parallelism, the batch's [B, T] arrays in the zig-zag layout, split over T.

@@ -272,21 +272,25 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   with lock, account:
     ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
                                    keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
-    if not ckpt.committed_steps() and (
-        misplaced := step_dirs.check_fresh_start(ckpt.directory, workdir)):
+    committed = ckpt.committed_steps()
+    if not committed and (misplaced := step_dirs.check_fresh_start(ckpt.directory, workdir)):
       health.warn(f'WARNING: {misplaced}')
+    target = abstract_state(cfg, tx, mesh)
+    train_step = jax.jit(make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
+                         out_shardings=(jax.tree.map(lambda x: x.sharding, target), None))
+    if not committed or committed[-1] < cfg.train.steps:  # compiled while restoring, below
+      train_step = goodput.compile_ahead(train_step, target, sharding.abstract_batch(
+          cfg.data, mesh), jax.ShapeDtypeStruct((), np.float32))
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     with account.phase('checkpoint restore' if ckpt.committed_steps() else 'training prep'):
-      state, shardings, data_state = restore_or_init(cfg, tx, mesh, ckpt)
+      state, _, data_state = restore_or_init(cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
 
     def make_loader(data_state, step):  # again after a rollback, with its window skipped
       return data.Loader.from_config(cfg.data, ds, state=data_state, step=step,
                                      sharding=sharding.batch_sharding(mesh), cache_dir=cache_dir,
                                      skips=recovery.skips)
-    recovery.target = abstract_state(cfg, tx, mesh)
-    train_step = jax.jit(make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
-                         out_shardings=(shardings, None))
+    recovery.target = target
     logging.info('Training %s params on %d devices (mesh %s), %d micro-batches/step, '
                  'steps %d -> %d.', f'{model.param_count(cfg.model):,}', mesh.size,
                  dict(mesh.shape), accum, start, cfg.train.steps)

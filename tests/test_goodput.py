@@ -18,6 +18,8 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import goodput
@@ -135,6 +137,55 @@ def test_a_second_process_hits_jax_persistent_cache(tmp_path):
 
 
 @pytest.mark.slow  # two train.py processes: ~2 min on a loaded 2-core machine
+def test_a_step_compiled_ahead_is_not_traced_again():
+  traces = []
+
+  def f(x, lr):
+    traces.append(1)  # runs once per trace
+    return x * lr + 1
+  step = goodput.compile_ahead(jax.jit(f), jax.ShapeDtypeStruct((8,), jnp.float32),
+                               jax.ShapeDtypeStruct((), jnp.float32))
+  out = step(jnp.arange(8, dtype=jnp.float32), np.float32(2))
+  assert len(traces) == 1  # the thread's; the call found its executable
+  np.testing.assert_array_equal(out, np.arange(8) * 2 + 1)
+  step(jnp.zeros(8, jnp.float32), np.float32(3))
+  assert len(traces) == 1
+
+
+EXIT_WHILE_COMPILING = """
+import sys, threading, time
+sys.path.insert(0, {repo!r})
+import jax, jax.numpy as jnp
+import goodput
+lowered = threading.Event()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: lowered.set()
+    if event.endswith('jaxpr_to_mlir_module_duration') else None)
+def f(x):
+  for i in range(3000):
+    x = jnp.sin(x) * 1.01 + i
+  return x
+goodput.compile_ahead(jax.jit(f), jax.ShapeDtypeStruct((128,), jnp.float32))
+lowered.wait()
+time.sleep(0.1)  # well inside XLA's compile (~0.4 s here)
+alive = [t for t in threading.enumerate() if t.name == 'compile ahead' and t.is_alive()]
+print(f'compiling: {{bool(alive)}}', flush=True)
+print('error: refused', flush=True)
+sys.exit(2)
+"""
+
+
+def test_an_exit_while_compiling_ahead_keeps_its_exit_code():
+  """Without the wait, 5 runs of 5 aborted: 'terminate called after throwing an instance
+  of ...', SIGABRT, instead of the process's own exit 2."""
+  proc = subprocess.run([sys.executable, '-c', EXIT_WHILE_COMPILING.format(repo=str(REPO))],
+                        capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stdout.split() == ['compiling:', 'True', 'error:', 'refused'], proc.stdout
+  assert 'terminate' not in proc.stderr
+
+
 def test_sigkill_and_resume_counts_the_redone_steps_as_wasted(tmp_path):
   # pylint: disable-next=import-outside-toplevel
   from test_multihost import metrics, spawn_train, train_args, trainer_env, wait_for_step
