@@ -1,7 +1,7 @@
 """The first accelerator check: the 7B's layer shapes on one GPU or TPU, in under 8 minutes.
 
     python bench/device_check.py [--out=result.json]     # one GPU (e.g. H200)
-    python bench/device_check.py --layers=2 --vocab=32768  # one TPU v5e (15.7 GiB)
+    python bench/device_check.py --layers=2 --vocab=8192   # one TPU v5e (15.7 GiB)
     JAX_PLATFORMS=cpu python bench/device_check.py --tiny  # the same script in miniature
 
 A slice of the 7B (configs/olmo3_7b.py: d_model 4096, 32 heads, seq 8192, bf16

@@ -176,6 +176,25 @@ def reference(token_files, tmp_path_factory):
   return workdir, read_metrics(workdir), host_state(cfg, workdir, STEPS)
 
 
+@pytest.mark.parametrize('document_masking', [False, True])
+def test_the_train_step_is_traced_once(token_files, tmp_path, document_masking):
+  """Compiled ahead on a thread from sharding.abstract_batch (goodput.compile_ahead): the
+  loop's first call must find that executable, not trace the step again for the real
+  batch (whose keys, dtypes or shardings would then differ from the abstract one)."""
+  traces = []
+
+  def listen(event, duration, fun_name='', **kwargs):
+    if event.endswith('jaxpr_trace_duration') and fun_name == 'train_step':
+      traces.append(duration)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    train.train(tiny_config(token_files, **{'train.steps': 2, 'data.document_masking':
+                                            document_masking}), str(tmp_path))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert len(traces) == 1 and read_metrics(tmp_path).keys() >= {1, 2}
+
+
 def test_logged_names_and_files(reference):
   workdir, metrics, _ = reference
   assert sorted(metrics) == list(range(1, STEPS + 1))
