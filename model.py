@@ -81,9 +81,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     problems.append(f'remat={cfg.remat!r} is not one of {sorted(REMAT_POLICIES)}')
   if cfg.attention_impl not in kernels.IMPLS:
     problems.append(f'attention_impl={cfg.attention_impl!r} is not one of {kernels.IMPLS}')
-  elif cfg.attention_impl == 'pallas' and kernels.pallas_unsupported(cfg):
-    problems.append(f"attention_impl='pallas' does not support "
-                    f"{kernels.pallas_unsupported(cfg)}; use 'auto' or 'xla'")
+  elif cfg.attention_impl == 'pallas' and (reason := kernels.pallas_unsupported(cfg)):
+    problems.append(f"attention_impl='pallas' does not support {reason}; use 'auto' or 'xla'")
   for field in ('vocab_size', 'num_layers', 'd_model', 'num_heads',
                 'num_kv_heads', 'head_dim', 'mlp_hidden'):
     if cfg[field] < 1:

@@ -159,9 +159,9 @@ def default_devices(cfg: ml_collections.ConfigDict, most: int = 8) -> int:
 
 def default_platform(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
   """('tpu' or 'cpu', why): the TPU unless its flash kernel cannot take the model."""
-  lanes = flash_kernels.LANES
-  if cfg.model.attention_impl in ('auto', 'pallas') and cfg.model.head_dim % lanes:
-    return 'cpu', (f'default: the TPU flash kernel needs head_dim a multiple of {lanes}, not '
+  if cfg.model.attention_impl in ('auto', 'pallas') and kernels.pallas_unsupported(cfg.model):
+    return 'cpu', (f'default: the TPU flash kernel needs head_dim a multiple of '
+                   f'{flash_kernels.LANES}, not '
                    f'{cfg.model.head_dim}; --platform=tpu plans it for a TPU with XLA '
                    'attention')
   return 'tpu', 'default'

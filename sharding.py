@@ -115,7 +115,7 @@ def placed(abstract: Any, mesh: Mesh | AbstractMesh) -> Any:
                       abstract, state_shardings(abstract, mesh))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
+def batch_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
@@ -124,7 +124,7 @@ def abstract_batch(cfg_data: ml_collections.ConfigDict, mesh: Mesh | AbstractMes
   """The global batch data.Loader yields (batches.make_batch's keys), as ShapeDtypeStructs
   with their shardings: what an ahead-of-time compile of the train step takes."""
   B, T = cfg_data.global_batch_size, cfg_data.seq_len
-  rows = NamedSharding(mesh, P(BATCH_AXES, None))
+  rows = batch_sharding(mesh)
   batch = {'tokens': jax.ShapeDtypeStruct((B, T), np.int32, sharding=rows),
            'labels': jax.ShapeDtypeStruct((B, T), np.int32, sharding=rows),
            'instance_mask': jax.ShapeDtypeStruct((B,), np.bool_,

@@ -143,13 +143,13 @@ def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainS
 
 def restore_or_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh,
                     ckpt: checkpoint.Checkpointer
-                    ) -> tuple[TrainState, TrainState, dict[str, Any] | None]:
-  """(state, shardings, loader state): the latest good checkpoint's, else step 0's."""
+                    ) -> tuple[TrainState, dict[str, Any] | None]:
+  """(state, loader state): the latest good checkpoint's, else step 0's."""
   if not ckpt.committed_steps():
     state, shardings = create_state(cfg, tx, mesh, jax.random.key(cfg.train.seed))
     if cfg.train.init_from:
       state = load_init(cfg, tx, mesh, state, shardings)
-    return state, shardings, None
+    return state, None
   latest = ckpt.latest_step()
   try:  # refuse a changed config before spending a restore on it
     config_checks.check_same_run(cfg, checkpoint.read_metadata(ckpt.directory, latest))
@@ -164,7 +164,7 @@ def restore_or_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh,
                     '(%s); the last healthy checkpoint is step %s.', meta['step'],
                     meta['diverged'], ckpt.latest_healthy_step())
   logging.info('Resumed from step %d in %s.', meta['step'], ckpt.directory)
-  return state, jax.tree.map(lambda x: x.sharding, target), meta['data']
+  return state, meta['data']
 
 
 # --- The step ---------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
           cfg.data, mesh), jax.ShapeDtypeStruct((), np.float32))
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     with account.phase('checkpoint restore' if ckpt.committed_steps() else 'training prep'):
-      state, _, data_state = restore_or_init(cfg, tx, mesh, ckpt)
+      state, data_state = restore_or_init(cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
 
     def make_loader(data_state, step):  # again after a rollback, with its window skipped

@@ -125,14 +125,14 @@ def test_window_at_least_seq_len_is_causal():
 
 
 def _inner_dots(jaxpr):
-  """Every dot_general inside the pallas_calls of a closed jaxpr, at any depth."""
+  """Every dot_general in the jaxprs nested in `jaxpr` (the kernels' bodies), at any depth."""
   for eqn in jaxpr.eqns:
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         sub = getattr(sub, 'jaxpr', sub)
         if isinstance(sub, jax.extend.core.Jaxpr):
-          yield from (e for e in _inner_dots(sub) if e.primitive.name == 'dot_general')
           yield from (e for e in sub.eqns if e.primitive.name == 'dot_general')
+          yield from _inner_dots(sub)
 
 
 def test_bf16_dots_keep_the_native_pass_under_highest_precision():

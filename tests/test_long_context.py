@@ -208,7 +208,7 @@ def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   assert int(got.opt_state.history_len) == 0
   # Nothing in the new workdir: the loader starts stage 3's own order at step 0.
   ckpt3 = checkpoint.Checkpointer(str(tmp_path / 'stage3'), fsync=False)
-  state3, _, data_state = train.restore_or_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, ckpt3)
+  state3, data_state = train.restore_or_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, ckpt3)
   ckpt3.close()
   assert data_state is None and int(state3.opt_state.step) == 0
   assert int(state3.opt_state.count) == 47_684
