@@ -24,7 +24,6 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.figure import Figure
 
 import errors
 import events
@@ -91,6 +90,9 @@ def plot_curves(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray
   A bare `Figure` renders with Agg and touches no pyplot state, so this works
   without a display.
   """
+  # Imported here: matplotlib takes ~0.5 s to import, and every eval.py start (most of
+  # which plot nothing) would pay it.
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   a_steps, a = bin_curve(*ours, bin_size)
   b_steps, b = bin_curve(*reference, bin_size)
   shared, ia, ib = np.intersect1d(a_steps, b_steps, return_indices=True)

@@ -64,7 +64,7 @@ def test_readme_own_text_commands_train_with_the_mixs_tokenizer(tmp_path):
     outputs.append(proc.stdout)
   prepared, trained, evaluated = outputs
   assert '6 documents held out for validation' in prepared
-  assert re.search(r'step +10  validation loss', trained) and '--- sample ---' in trained
+  assert re.search(r'step +4  validation loss', trained) and '--- sample ---' in trained
 
   workdir = tmp_path / 'runs' / 'mine'
   cfg = checkpoint.read_metadata(str(workdir / 'checkpoints'))['config']

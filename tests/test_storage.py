@@ -261,7 +261,7 @@ def save_through(proxy: FaultProxy, bucket: str, step: int, fault=None, **env: s
 
 def test_503s_are_retried_and_the_save_commits(s3_server):
   with FaultProxy(s3_server[0]) as proxy:
-    result, _ = save_through(proxy, s3_server[1], 1, fault=lambda p: p.fail(6, status=503))
+    result, _ = save_through(proxy, s3_server[1], 1, fault=lambda p: p.fail(3, status=503))
     assert result == 'saved'
     assert proxy.failing == 0  # the 503s were met and retried past
   directory = f's3://{s3_server[1]}/run/checkpoints'

@@ -95,7 +95,8 @@ class Buckets:
 def child(workdir: str, files, steps: int, *extra: str, kill: str | None = None,
           resume_config: bool = False) -> tuple[list[str], dict[str, str]]:
   """(argv, env) of train.py's command line with the planted spike (and a `kill` hook), on
-  8 devices. With `resume_config` the run config is --config=configs/from_checkpoint.py:
+  2 devices: each writes its own chunks, as on a pod, and every chunk is an object in the
+  bucket, so 8 would only multiply the objects (and the emulators' work) by 4. With `resume_config` the run config is --config=configs/from_checkpoint.py:
   WORKDIR (what the checkpoint stores) instead of the flags, and only train.steps changes.
   """
   script = storage_faults.trainer_script(str(REPO), POISON_CODE + INSTALL_POISON, kill)
@@ -105,7 +106,7 @@ def child(workdir: str, files, steps: int, *extra: str, kill: str | None = None,
   else:
     argv += [*config_flags(files), *[f'--config.{k}={v}' for k, v in FLAGS.items()]]
   argv += [*extra, f'--config.train.steps={steps}']
-  return argv, dict(os.environ, XLA_FLAGS=with_devices(8), KILL_STEP=str(KILL_STEP))
+  return argv, dict(os.environ, XLA_FLAGS=with_devices(2), KILL_STEP=str(KILL_STEP))
 
 
 def run_all(commands: list[tuple[list[str], dict[str, str]]], logs: pathlib.Path,
