@@ -15,7 +15,8 @@ exponential backoff (tensorstore's `*_request_retries`: OLMO_STORAGE_RETRIES,
 default 8, 0.5 s doubling to 32 s), and a transfer that stalls (under 1 byte/s
 for OLMO_STORAGE_STALL_SECONDS, default 60) is aborted and retried, so a
 stalled server cannot hang a save. Concurrency per store is bounded
-(OLMO_STORAGE_CONCURRENCY, default 32).
+(OLMO_STORAGE_CONCURRENCY, default 32). A request still waiting after
+OLMO_STORAGE_NOTICE_SECONDS (default 10) is reported, then after twice as long.
 
 Credentials come from each store's standard environment: Google application
 default credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud, the metadata
@@ -169,7 +170,6 @@ class StorageConfigError(errors.UserError, StorageError):
 # tensorstore's status codes (its error's first word) by the fault they mean.
 _DENIED = ('PERMISSION_DENIED', 'UNAUTHENTICATED')
 _DENIED_HTTP = ("http_response_code='401'", "http_response_code='403'")
-_WAIT_NOTICE_SECONDS = 10.0  # the first "still waiting" line; each next after twice as long
 
 
 def retry_budget_seconds() -> float:
@@ -242,10 +242,20 @@ def failed(op: str, location: str, e: Exception) -> StorageError:
       f'went to {endpoint(location)}. A rerun may succeed once the store answers.', store)
 
 
+def notice_seconds() -> int:
+  """How long a request waits before a line says it is being retried
+  (OLMO_STORAGE_NOTICE_SECONDS, default 10); each next line after twice as long."""
+  seconds = _env_int('OLMO_STORAGE_NOTICE_SECONDS', 10)
+  if seconds < 1:
+    raise errors.ConfigError(f'$OLMO_STORAGE_NOTICE_SECONDS={seconds} must be at least 1 '
+                             '(seconds before a retried request is reported).')
+  return seconds
+
+
 def result(future: Any, op: str, location: str) -> Any:
   """`future.result()`, saying on stderr what is waited for while the client retries (a
   store that does not answer is retried for up to retry_budget_seconds() per request)."""
-  start, notice = time.monotonic(), _WAIT_NOTICE_SECONDS
+  start, notice = time.monotonic(), notice_seconds()
   while True:
     try:
       return future.result(timeout=max(0.0, start + notice - time.monotonic()))

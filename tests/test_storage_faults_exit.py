@@ -103,8 +103,9 @@ def test_denied_credentials_are_one_line_exit_2(gcs_server, s3_server, cache, sc
 
 # --- Unreachable storage: within one request's retry budget, said while it waits ------------
 
-RETRIES = '5'  # 0.5 + 1 + 2 + 4 + 8 = 15.5 s of backoff: past the first "Still" line at 10 s
-BUDGET = 15.5
+RETRIES = '3'  # 0.5 + 1 + 2 = 3.5 s of backoff: past the first "Still" line (NOTICE)
+BUDGET = 3.5
+NOTICE = '1'  # OLMO_STORAGE_NOTICE_SECONDS: the first "Still" line after 1 s, not 10
 
 
 def test_a_failing_store_ends_within_one_retry_budget_and_keeps_no_log_there(s3_server, cache):
@@ -115,7 +116,7 @@ def test_a_failing_store_ends_within_one_retry_budget_and_keeps_no_log_there(s3_
   with FaultProxy(endpoint) as proxy:
     proxy.fail(10 ** 6, status=503)
     proc = start(f's3://{bucket}/run', AWS_ENDPOINT_URL=proxy.url,
-                 OLMO_STORAGE_RETRIES=RETRIES)
+                 OLMO_STORAGE_RETRIES=RETRIES, OLMO_STORAGE_NOTICE_SECONDS=NOTICE)
     rc, output = finish(proc)
     ended = time.monotonic()
     seen = list(proxy.requests)
@@ -134,9 +135,11 @@ def test_an_endpoint_that_refuses_or_a_missing_gcs_endpoint_variable_is_named(
   with socket.socket() as s:  # a port nothing listens on: every connection refused
     s.bind(('127.0.0.1', 0))
     refused = f'http://127.0.0.1:{s.getsockname()[1]}'
-  s3 = start(f's3://{s3_server[1]}/run', AWS_ENDPOINT_URL=refused, OLMO_STORAGE_RETRIES=RETRIES)
+  s3 = start(f's3://{s3_server[1]}/run', AWS_ENDPOINT_URL=refused, OLMO_STORAGE_RETRIES=RETRIES,
+             OLMO_STORAGE_NOTICE_SECONDS=NOTICE)
   monkeypatch.delenv('TENSORSTORE_GCS_HTTP_URL')  # the real service, unreachable from here
-  gs = start(f'gs://{gcs_server[1]}/run', OLMO_STORAGE_RETRIES=RETRIES)
+  gs = start(f'gs://{gcs_server[1]}/run', OLMO_STORAGE_RETRIES=RETRIES,
+             OLMO_STORAGE_NOTICE_SECONDS=NOTICE)
   for proc, named in ((s3, refused), (gs, 'TENSORSTORE_GCS_HTTP_URL')):
     began = time.monotonic()
     rc, output = finish(proc)
@@ -258,3 +261,10 @@ def test_an_operation_ending_as_the_wait_times_out_gives_its_own_outcome():
   assert kvstores.result(_LateFuture('value'), 'deleting', 'gs://b/x') == 'value'
   with pytest.raises(ValueError, match='its own'):
     kvstores.result(_LateFuture(ValueError('its own')), 'deleting', 'gs://b/x')
+
+
+@pytest.mark.parametrize('value', ['0', '-5', 'soon'])
+def test_a_notice_interval_below_one_second_or_not_a_number_is_refused(monkeypatch, value):
+  monkeypatch.setenv('OLMO_STORAGE_NOTICE_SECONDS', value)
+  with pytest.raises(errors.ConfigError, match='OLMO_STORAGE_NOTICE_SECONDS'):
+    kvstores.notice_seconds()
