@@ -96,8 +96,9 @@ def child(workdir: str, files, steps: int, *extra: str, kill: str | None = None,
           resume_config: bool = False) -> tuple[list[str], dict[str, str]]:
   """(argv, env) of train.py's command line with the planted spike (and a `kill` hook), on
   2 devices: each writes its own chunks, as on a pod, and every chunk is an object in the
-  bucket, so 8 would only multiply the objects (and the emulators' work) by 4. With `resume_config` the run config is --config=configs/from_checkpoint.py:
-  WORKDIR (what the checkpoint stores) instead of the flags, and only train.steps changes.
+  bucket, so 8 would only multiply the objects (and the emulators' work) by 4. With
+  `resume_config` the run config is --config=configs/from_checkpoint.py:WORKDIR (what the
+  checkpoint stores) instead of the flags, and only train.steps changes.
   """
   script = storage_faults.trainer_script(str(REPO), POISON_CODE + INSTALL_POISON, kill)
   argv = [sys.executable, '-c', script, f'--workdir={workdir}', '--sample_tokens=0']

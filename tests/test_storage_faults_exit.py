@@ -178,7 +178,7 @@ def test_a_lease_left_by_a_replaced_host_is_waited_out_and_a_renewed_one_refused
   """A host lost in a preemption leaves a LOCK naming it, renewed moments ago: its
   replacement waits for the lease to expire (saying so) and takes it over. A LOCK its
   holder keeps renewing is refused once the renewal is seen."""
-  lease = 12
+  lease = 6  # seconds: long enough to see the live holder renew (every 1 s)
   lost, live = f'gs://{gcs_server[1]}/lost', f'gs://{gcs_server[1]}/live'
   storage.write(f'{lost}/LOCK', _lock_of('preempted-host', time.time()))
   storage.write(f'{live}/LOCK', _lock_of('other-host', time.time()))
