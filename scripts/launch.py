@@ -38,7 +38,8 @@ lines and says it in one `error:` line.
 The trainer runs in its own session (process group), so the watchdog reaches
 its children too, and whatever it leaves behind when it exits is killed
 before the next attempt. SIGTERM/SIGINT to the launcher are passed to the
-trainer (which checkpoints and exits), and then the launcher exits too. Every
+trainer (which checkpoints and exits), and then the launcher exits too; one
+that comes before a trainer is started (or between attempts) starts none. Every
 start, exit and restart is logged to stderr and appended to
 <workdir>/launcher.log, each line naming the host and the launcher's pid (on a
 pod every host's launcher appends to the same file). See BUILD.md for TPU pods
@@ -133,6 +134,15 @@ def describe(rc: int) -> str:
   return f'exited with {rc}: {errors.MEANING.get(rc, "an exit code the launcher does not know")}'
 
 
+def _write_unbuffered(text: str) -> None:
+  """Writes to stderr's file descriptor, past Python's buffer and its lock; a stderr
+  without one (a test's capture) gets an ordinary write."""
+  try:
+    os.write(sys.stderr.fileno(), text.encode())
+  except (AttributeError, OSError, ValueError):
+    sys.stderr.write(text)
+
+
 class _Relay:
   """Copies the trainer's stderr to the launcher's as it comes, noting the processes that
   jax.distributed's coordination service reports lost. When a process of a multi-process
@@ -177,7 +187,8 @@ class Launcher:
     self.ckpt_dir = storage.join(workdir, 'checkpoints')
     self.child: subprocess.Popen | None = None
     self.lost: list[int] = []  # processes the trainer's last attempt reported lost
-    self.stopping = False
+    self.stopping = 0  # the SIGTERM or SIGINT the launcher received, once it has one
+    self._passed_to: subprocess.Popen | None = None  # the trainer that got it
     # Every host's launcher appends to the same shared log, and pids repeat across hosts.
     self.tag = f'host={socket.gethostname()} pid={os.getpid()}'
     storage.makedirs(workdir)
@@ -185,35 +196,38 @@ class Launcher:
     # They are appended by a thread of their own: a store that does not answer takes the
     # client's whole retry budget per request, and supervising must not wait on a record.
     self.log_path = storage.join(workdir, 'launcher.log')
-    self._lines: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in _forward
-    self._unwritten = 0
+    # put() is safe in a signal handler; an Event in the queue marks a flush (flush_log).
+    self._lines: queue.SimpleQueue = queue.SimpleQueue()
     self._appender = threading.Thread(target=self._append_lines, name='launcher-log',
                                       daemon=True)
     self._appender.start()
 
-  def log(self, message: str) -> None:
+  def log(self, message: str, in_handler: bool = False) -> None:
     now = datetime.datetime.now().isoformat(timespec='seconds')
-    line = f'[launch {now} {self.tag}] {message}'
-    print(line, file=sys.stderr, flush=True)
-    self._unwritten += 1
-    self._lines.put(line + '\n')
+    line = f'[launch {now} {self.tag}] {message}\n'
+    if in_handler:  # the handler may interrupt a print on this thread: its lock is held
+      _write_unbuffered(line)
+    else:
+      print(line, end='', file=sys.stderr, flush=True)
+    self._lines.put(line)
 
   def _append_lines(self) -> None:
     while True:
       line = self._lines.get()
+      if isinstance(line, threading.Event):  # every line queued before it is written
+        line.set()
+        continue
       try:
         storage.append(self.log_path, line)
       except OSError as e:  # the log is a record; never stop supervising for it
         print(f'[launch] cannot append to {self.log_path}: {" ".join(str(e).split())}',
               file=sys.stderr, flush=True)
-      finally:
-        self._unwritten -= 1
 
   def flush_log(self, timeout: float = LOG_FLUSH_SECONDS) -> None:
-    """Waits up to `timeout` seconds for the queued lines to be appended."""
-    deadline = time.monotonic() + timeout
-    while self._unwritten > 0 and time.monotonic() < deadline:
-      time.sleep(0.05)
+    """Waits up to `timeout` seconds for the lines queued so far to be appended."""
+    flushed = threading.Event()
+    self._lines.put(flushed)
+    flushed.wait(timeout)
 
   def latest_step(self) -> int | None:
     """The latest committed step, or None when the storage cannot say (the trainer meets
@@ -227,10 +241,20 @@ class Launcher:
 
   def _forward(self, signum, frame) -> None:
     del frame
-    self.stopping = True
-    if self.child is not None and self.child.poll() is None:
-      self.log(f'signal {signum}: passing it to the trainer (pid {self.child.pid}), then exiting.')
-      self.child.send_signal(signum)
+    self.stopping = self.stopping or signum
+    self._pass_on(in_handler=True)
+
+  def _pass_on(self, in_handler: bool = False) -> None:
+    """Passes the launcher's signal to the running trainer, once. The signal can come
+    while the trainer is being started, before the launcher knows its pid: the start
+    passes it on then (_attempt)."""
+    child = self.child
+    if not self.stopping or child is None or child is self._passed_to or child.poll() is not None:
+      return
+    self._passed_to = child
+    self.log(f'signal {self.stopping}: passing it to the trainer (pid {child.pid}), then '
+             'exiting.', in_handler)
+    child.send_signal(self.stopping)
 
   def run(self) -> int:
     # The handlers are put back on return: a caller in the same process (or a
@@ -270,6 +294,7 @@ class Launcher:
       relay = _Relay(self.child.stderr)
       self.log(f'attempt {attempt}: started pid {self.child.pid} (latest checkpoint: '
                f'{best}): {" ".join(self.command)}')
+      self._pass_on()  # a signal that came while it started, before self.child was set
       stalled = heartbeat is not None and self._watch(attempt, heartbeat)
       rc = self.child.wait()
       relay.thread.join(10)
@@ -308,6 +333,9 @@ class Launcher:
     best = self.latest_step()
     while True:
       attempt += 1
+      if self.stopping:  # signalled before this attempt started (or while it backed off)
+        self.log(f'signal {self.stopping}: not starting attempt {attempt}; exiting.')
+        return 128 + self.stopping
       rc, stalled = self._attempt(attempt, best)
       if rc == 0:
         self.log(f'attempt {attempt}: trainer finished (exit 0).')
@@ -341,8 +369,6 @@ class Launcher:
                f'({"progress" if progressed else f"no progress, {failures} in a row"}); '
                f'restarting in {delay:g} s.')
       time.sleep(delay)
-      if self.stopping:
-        return 128 + signal.SIGTERM
 
 
 def main(argv: list[str]) -> int:

@@ -256,6 +256,49 @@ def test_preempted_exit_restarts_and_sigterm_to_launcher_is_forwarded(tmp_path):
   assert 'not restarting' in err and err.count('started pid') == 1
 
 
+def test_sigterm_while_the_trainer_starts_reaches_it(tmp_path, monkeypatch):
+  """The signal lands after the trainer's fork but before the launcher knows its pid (a
+  loaded host: the test above once waited out the trainer's whole sleep): the start
+  passes it on, once."""
+  body = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
+          'print("ready", flush=True)\ntime.sleep(60)\n')
+  started = []
+
+  class SignalledWhileStarting(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, stdout=ready_w, **kwargs)
+      started.append(self)
+      # Once the trainer's handler is in, signal the launcher before Popen returns.
+      line = b''
+      while not line.endswith(b'ready\n'):
+        line += os.read(ready_r, 1)
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  ready_r, ready_w = os.pipe()
+  monkeypatch.setattr(launch.subprocess, 'Popen', SignalledWhileStarting)
+  began = time.monotonic()
+  try:
+    rc = launch.Launcher(fake_trainer(tmp_path, body), str(tmp_path / 'w'), backoff=0).run()
+  finally:
+    os.close(ready_r)
+    os.close(ready_w)
+  assert time.monotonic() - began < 30  # not the trainer's 60 s sleep
+  assert rc == 3 and len(started) == 1 and started[0].returncode == 3
+  log = (tmp_path / 'w' / 'launcher.log').read_text()
+  assert log.count('passing it to the trainer') == 1, log
+  assert 'launcher was signalled, not restarting' in log, log
+
+
+def test_sigterm_before_the_first_attempt_starts_no_trainer(tmp_path, monkeypatch):
+  started = []
+  monkeypatch.setattr(launch.subprocess, 'Popen', lambda *a, **k: started.append(a))
+  monkeypatch.setattr(launch.Launcher, 'latest_step',
+                      lambda self: os.kill(os.getpid(), signal.SIGTERM))
+  rc = launch.Launcher(fake_trainer(tmp_path, ''), str(tmp_path / 'w'), backoff=0).run()
+  assert rc == 128 + signal.SIGTERM and not started
+  assert 'not starting attempt 1' in (tmp_path / 'w' / 'launcher.log').read_text()
+
+
 def test_usage_errors_name_the_fix(tmp_path, capsys):
   with pytest.raises(SystemExit):
     launch.main(['python', 'train.py'])
