@@ -130,13 +130,16 @@ def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
 
 def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
                         wrapper: str | None = None, log_dir=None,
-                        heartbeat_timeout: int = 10) -> list[subprocess.Popen]:
+                        heartbeat_timeout: int | None = None) -> list[subprocess.Popen]:
+  """Two train.py processes x 2 devices. A short `heartbeat_timeout` only where a test
+  kills a peer: two processes compiling on a loaded 2-core machine can miss a few seconds
+  of heartbeats, and a run with no kill keeps train.py's default not to be taken for dead."""
   port = free_port()
   procs = []
   for i in range(2):
     args = train_args(workdir, steps, ckpt_every, *extra, f'--coordinator_address=127.0.0.1:{port}',
                       f'--process_id={i}', '--num_processes=2',
-                      f'--heartbeat_timeout={heartbeat_timeout}')
+                      *([f'--heartbeat_timeout={heartbeat_timeout}'] if heartbeat_timeout else []))
     if wrapper:
       args[1] = wrapper
     out = open(pathlib.Path(log_dir) / f'log{i}', 'w') if log_dir else subprocess.PIPE
