@@ -12,15 +12,17 @@ convert a checkpoint OLMo-core saved from 2 FSDP ranks. The fast tests check
 `--config`, YaRN, row blocks and bad input on step directories written by the
 exporter or by OLMo-core's config classes.
 
-Run as a script, this file is the OLMo-core side (one process per rank):
-    python tests/test_olmo_core_ckpt.py SPEC_JSON
+Run as a script, this file is the OLMo-core side: a fork server that imports torch and
+OLMo-core once and forks one process per rank of each run (`serve`).
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -149,33 +151,93 @@ def repro_model_config(cfg, init_seed: int):
   return oc
 
 
+def serve() -> None:
+  """The OLMo-core side as a fork server: torch and OLMo-core are imported once (most of
+  a tiny run's time: the file's tests went from 174 to 70 s), then each request read from
+  stdin (a JSON list of rank specs) is one forked child per rank; the answer is their
+  exit codes, None for one killed at the request's deadline, on a stdout of its own (a
+  stray print goes to stderr). The server never runs a torch op: its children start
+  with no thread pool to inherit."""
+  answers = os.fdopen(os.dup(1), 'w')
+  os.dup2(2, 1)
+  import torch  # noqa: F401  (what olmo_core_main imports, loaded before the forks)
+  import olmo_core.data, olmo_core.optim, olmo_core.train  # noqa: F401,E401
+  import olmo_core.train.train_module  # noqa: F401
+  for line in sys.stdin:
+    request = json.loads(line)
+    pids = [_fork_rank(spec) for spec in request['specs']]
+    codes, deadline = {}, time.time() + request['timeout']
+    while len(codes) < len(pids) and time.time() < deadline:
+      for pid in set(pids) - set(codes):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+          codes[pid] = os.waitstatus_to_exitcode(status)
+      time.sleep(0.05)
+    for pid in set(pids) - set(codes):  # stuck in a collective its peer never joins
+      os.kill(pid, signal.SIGKILL)
+      os.waitpid(pid, 0)
+    print(json.dumps([codes.get(pid) for pid in pids]), file=answers, flush=True)
+
+
+def _fork_rank(spec: dict) -> int:
+  pid = os.fork()
+  if pid:
+    return pid
+  code = 1  # the rank: its output to its log, then its own exit code
+  try:
+    log = os.open(spec['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    olmo_core_main(spec)
+    code = 0
+  except BaseException:  # pylint: disable=broad-except  (its stack goes to its log)
+    traceback.print_exc()
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no atexit handlers of the server's own
+
+
+_SERVER: list[subprocess.Popen] = []  # the module's fork server, started on first use
+
+
+def _server() -> subprocess.Popen:
+  if not _SERVER or _SERVER[0].poll() is not None:
+    env = dict(os.environ, JAX_PLATFORMS='cpu', GLOO_SOCKET_IFNAME='lo')
+    _SERVER[:] = [subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                   env=env, cwd=REPO, text=True, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE)]
+  return _SERVER[0]
+
+
+@pytest.fixture(scope='module', autouse=True)
+def stop_server():
+  yield
+  for server in _SERVER:
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 def run_olmo_core(name: str, save_folder: str, world: int = 1, timeout: float = 600,
                   **spec) -> dict:
-  """OLMo-core's Trainer in `world` processes (one per rank); rank 0's records.
+  """OLMo-core's Trainer in `world` processes (one per rank, forked by the server);
+  rank 0's records.
 
   The ranks meet on a free port; a run that outlives `timeout` (a rank stuck in a
   collective its peer never joins) is killed and fails the test with its log.
   """
   spec = dict(name=name, save_folder=save_folder, port=free_port(), world=world, **spec)
-  env = dict(os.environ, JAX_PLATFORMS='cpu', GLOO_SOCKET_IFNAME='lo')
   os.makedirs(save_folder, exist_ok=True)
   logs = [os.path.join(save_folder, f'log_{name}_rank{r}.txt') for r in range(world)]
-  procs = []
-  for r, log in enumerate(logs):
-    with open(log, 'w') as out:
-      procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                     json.dumps(dict(spec, rank=r))], env=env, cwd=REPO,
-                                    stdout=out, stderr=subprocess.STDOUT))
-  deadline = time.time() + timeout
-  try:
-    codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
-  except subprocess.TimeoutExpired:
-    codes = None
-  finally:
-    for p in procs:
-      p.kill()
-  tails = '\n'.join(open(log).read()[-2000:] for log in logs)
-  assert codes is not None, f'OLMo-core run {name} did not finish in {timeout:.0f} s:\n{tails}'
+  server = _server()
+  server.stdin.write(json.dumps({'timeout': timeout, 'specs': [
+      dict(spec, rank=r, log=log) for r, log in enumerate(logs)]}) + '\n')
+  server.stdin.flush()
+  answer = server.stdout.readline()
+  assert answer, f'the OLMo-core fork server exited ({server.wait()})'
+  codes = json.loads(answer)
+  tails = '\n'.join(open(log).read()[-2000:] for log in logs if os.path.exists(log))
+  assert None not in codes, f'OLMo-core run {name} did not finish in {timeout:.0f} s:\n{tails}'
   assert codes == [0] * world, f'OLMo-core run {name} failed: exit codes {codes}\n{tails}'
   with open(os.path.join(save_folder, f'records_{name}.json')) as f:
     out = json.load(f)
@@ -208,7 +270,7 @@ def stage2_cfg(overrides: dict):
 
 
 if __name__ == '__main__':
-  olmo_core_main(json.loads(sys.argv[1]))
+  serve()
   sys.exit(0)
 
 
