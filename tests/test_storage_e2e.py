@@ -456,16 +456,18 @@ def test_sigkill_mid_save_in_a_bucket_then_resume_is_bit_identical(cycles, kille
 
 def two_processes(workdir: str, steps: int, ckpt_every: int, timeout: float = 300,
                   wrap=lambda i, args: args, expect_rc: int = 0,
-                  heartbeat: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+                  heartbeat_timeout: int | None = None) -> list[tuple[int, str, str]]:
   """train.py as two processes x 2 devices on localhost (jax.distributed); returns
-  [(exit code, stdout, stderr)] per process. `wrap(i, argv)` may change process i's command.
-  Gloo's 30 s rendezvous can fail on an overloaded machine: retried once."""
+  [(exit code, stdout, stderr)] per process. `wrap(i, argv)` may change process i's command;
+  `heartbeat_timeout` as in test_multihost.spawn_two_processes. Gloo's 30 s rendezvous can
+  fail on an overloaded machine: retried once."""
   for attempt in range(3):
     port = free_port()
     procs = []
     for i in range(2):
+      short = [f'--heartbeat_timeout={heartbeat_timeout}'] if heartbeat_timeout else []
       args = train_args(workdir, steps, ckpt_every, f'--coordinator_address=127.0.0.1:{port}',
-                        f'--process_id={i}', '--num_processes=2', *heartbeat)
+                        f'--process_id={i}', '--num_processes=2', *short)
       procs.append(subprocess.Popen(wrap(i, args), cwd=REPO, env=trainer_env(2), text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = communicate_all(procs, timeout)
@@ -537,7 +539,7 @@ def test_two_hosts_with_their_own_disks_at_one_path_are_refused(tmp_path, two_pr
             f'mount --bind {disk_b} {workdir} && exec "$@"', 'sh', *args]
   # Both refuse; a short heartbeat timeout bounds the wait should one refuse first.
   results = two_processes(str(workdir), 4, 2, wrap=split, expect_rc=2, timeout=200,
-                          heartbeat=('--heartbeat_timeout=10',))
+                          heartbeat_timeout=10)
   host = __import__('socket').gethostname()
   for i, (_, out, err) in enumerate(results):
     lines = error_lines(err)
