@@ -74,9 +74,26 @@ def test_the_phase_clock_adds_up_to_the_process_time(tmp_path):
   assert sum(record['seconds'].values()) == pytest.approx(record['end'] - record['start'],
                                                           abs=1e-6)
   assert record['seconds']['data loading'] >= 0.05
-  # The process's start is the OS's, before this test's imports: older than this account.
-  assert record['start'] <= account.since - 0.05
+  assert record['start'] <= account.since
   assert record['exit_code'] == 0
+
+
+def test_only_a_process_first_account_is_timed_from_the_process_start(tmp_path):
+  """In a fresh process the first account starts at the OS's record of the process start
+  (before the imports); a second one (train.train called again in a notebook) starts at its
+  own creation, so the time between the calls is not start-up, and it gets its own record."""
+  code = (f'import json, time, goodput\n'
+          f'before = time.time()\n'
+          f'a = goodput.Account({str(tmp_path)!r}); time.sleep(0.2)\n'
+          f'b = goodput.Account({str(tmp_path)!r})\n'
+          f'print(json.dumps([before, a.start, a.start_name, a.name, b.start, b.since,'
+          f' b.start_name, b.name]))')
+  out = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  before, a_start, a_from, a_name, b_start, b_since, b_from, b_name = json.loads(out)
+  assert a_start < before - 0.05 and a_from == 'process start'  # imports took longer
+  assert b_start >= before + 0.2 and b_since - b_start < 0.05 and b_from == 'train() call'
+  assert a_name != b_name
 
 
 def test_a_process_that_takes_no_step_turns_the_collector_on_at_its_end(tmp_path):

@@ -22,7 +22,6 @@ import threading
 import time
 import zlib
 
-import numpy as np
 import pytest
 
 wandb = pytest.importorskip('wandb')  # pip install '.[wandb]'
@@ -224,16 +223,14 @@ def _history_steps(root) -> set[int]:
     return set()
 
 
-def _median_step_time(workdir) -> float:
-  times = [r['time/step'] for r in metrics.read_records(str(workdir)) if 'time/step' in r]
-  return float(np.median(times[2:]))  # not the compiling first steps
-
-
 def test_unreachable_service_neither_slows_nor_stops_training(token_files, tmp_path,
                                                               monkeypatch):
-  """W&B online against a closed local port: wandb.init retries in the background until it
-  gives up, every record is dropped (counted), and the step time is that of W&B off."""
-  steps = dict(steps=40, ckpt_every=40, eval_every=0, log_every=1, track_repeats=False)
+  """W&B online against a closed local port: wandb.init retries on the tracker's own thread
+  until it gives up, every record is dropped (counted), the losses are those of W&B off,
+  and no call the training loop makes waits on W&B. (Step-time ratios belong to bench/,
+  not to a test on a shared CI machine: they are asserted here through where the time
+  goes, not through a ratio of two noisy runs.)"""
+  steps = dict(steps=10, ckpt_every=10, eval_every=0, log_every=1, track_repeats=False)
   off = tmp_path / 'off'
   train.train(tiny_config(token_files, **{f'train.{k}': v for k, v in steps.items()}),
               str(off))
@@ -243,10 +240,27 @@ def test_unreachable_service_neither_slows_nor_stops_training(token_files, tmp_p
                       'WANDB_API_KEY': 'x' * 40, 'WANDB_DIR': str(tmp_path),
                       'WANDB_SILENT': 'true'}.items():
     monkeypatch.setenv(name, value)
-  made = []
+  made, inits, calls = [], [], []
   for_run = tracking.Tracker.for_run
   monkeypatch.setattr(tracking.Tracker, 'for_run',
                       classmethod(lambda cls, *a: made.append(for_run(*a)) or made[-1]))
+  real_init = wandb.init
+
+  def timed_init(**kwargs):
+    start = time.perf_counter()
+    try:
+      return real_init(**kwargs)
+    finally:
+      inits.append((threading.current_thread().name, time.perf_counter() - start))
+  monkeypatch.setattr(wandb, 'init', timed_init)
+  for name in ('log', 'resume'):  # every call the training side makes into the tracker
+    real = getattr(tracking.Tracker, name)
+
+    def timed(self, *a, _real=real, _name=name):
+      start = time.perf_counter()
+      _real(self, *a)
+      calls.append((_name, time.perf_counter() - start))
+    monkeypatch.setattr(tracking.Tracker, name, timed)
   on = tmp_path / 'on'
   train.train(wandb_config(token_files, named_set=False, init_timeout=5.0, **steps), str(on))
 
@@ -256,9 +270,12 @@ def test_unreachable_service_neither_slows_nor_stops_training(token_files, tmp_p
   losses = lambda w: [r['train/CE loss'] for r in metrics.read_records(str(w))
                       if 'train/CE loss' in r]
   assert losses(on) == losses(off)
-  ratio = _median_step_time(on) / _median_step_time(off)
-  print(f'median step time, W&B unreachable / off: {ratio:.3f}')
-  assert ratio < 1.3, ratio
+  [(thread, waited)] = inits
+  assert thread == 'wandb-tracker' and waited > 1.0, inits  # it retried, off the loop
+  assert len([c for c in calls if c[0] == 'log']) == len(metrics.read_records(str(on)))
+  slowest = max(t for _, t in calls)
+  print(f'wandb.init retried {waited:.1f} s on its thread; slowest tracker call {slowest:.4f} s')
+  assert slowest < waited / 10, calls  # an enqueue, never a wait on the retrying init
 
 
 def test_hanging_init_costs_log_nothing_and_close_a_bounded_wait(monkeypatch):
