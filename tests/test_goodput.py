@@ -241,7 +241,8 @@ def test_sigkill_and_resume_counts_the_redone_steps_as_wasted(tmp_path):
   assert account['starts'] == 2
   assert 0.5 * sum(redone_no_save) <= s[goodput.WASTED] <= 1.1 * sum(redone) + 0.1
   assert sum(s.values()) == pytest.approx(account['wall (s)'], rel=1e-9)
-  assert abs(account['wall (s)'] - (ended - began)) <= 0.01 * (ended - began)
+  # Within 1%, and half a second for reading the line off a pipe on a loaded machine.
+  assert abs(account['wall (s)'] - (ended - began)) <= 0.01 * (ended - began) + 0.5
   # The line, at the end of the resumed process; time to first step, logged and printed.
   assert lines[-1].startswith('goodput ') and 'wasted progress' in lines[-1]
   assert f'(process start to step {committed + 1})' in '\n'.join(lines)

@@ -85,7 +85,7 @@ def test_an_exit_a_restart_cannot_fix_stops_at_once(tmp_path, code):
   start = time.time()
   rc = launch.main(['--max_failures=5', '--backoff=30', '--',
                     *fake_trainer(tmp_path, f'sys.exit({code})\n')])
-  assert rc == code and time.time() - start < 5
+  assert rc == code and time.time() - start < 20  # the backoff alone would be 30 s
   log = (tmp_path / 'w' / 'launcher.log').read_text()
   assert log.count('started pid') == 1 and 'not restarting' in log, log
   assert errors.MEANING.get(code, 'does not know') in log, log

@@ -289,7 +289,7 @@ def test_hanging_init_costs_log_nothing_and_close_a_bounded_wait(monkeypatch):
   start = time.perf_counter()
   for step in range(1, 11):
     tracker.log(step, {'train/CE loss': 1.0 / step})
-  assert time.perf_counter() - start < 0.1
+  assert time.perf_counter() - start < 1.0  # enqueues; the init hangs until released
   assert tracker.dropped == 6  # 4 wait in the queue behind the init
   start = time.perf_counter()
   tracker.close(timeout=0.5)  # gives up on the init, does not raise
