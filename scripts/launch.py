@@ -48,6 +48,7 @@ pod every host's launcher appends to the same file). See BUILD.md for TPU pods
 
 import argparse
 import datetime
+import faulthandler
 import os
 import queue
 import re
@@ -378,4 +379,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
+  # `kill -USR1 <launcher pid>` prints every thread's stack to stderr: what a launcher that
+  # seems stuck is waiting on (it goes on running).
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   sys.exit(main(sys.argv[1:]))

@@ -245,15 +245,46 @@ def test_preempted_exit_restarts_and_sigterm_to_launcher_is_forwarded(tmp_path):
   # The stand-in exits EXIT_PREEMPTED on SIGTERM (as train.py does after its
   # checkpoint); a signalled launcher passes the signal on and does not restart.
   body = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
-          'print("ready", flush=True)\ntime.sleep(60)\n')
+          'print("ready", flush=True)\ntime.sleep(120)\n')
   proc = subprocess.Popen([sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0',
                            '--', *fake_trainer(tmp_path, body)], cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   assert proc.stdout.readline().strip() == 'ready'
   proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=30)
+  _, err = communicate_or_explain(proc, timeout=60)
   assert proc.returncode == 3, err
   assert 'not restarting' in err and err.count('started pid') == 1
+
+
+def communicate_or_explain(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+  """proc.communicate(); past `timeout`, fails with what the launcher's threads were doing
+  (its SIGUSR1 stack dump) and the state of its trainer (alive? which signals pending,
+  blocked, caught?), then kills both."""
+  try:
+    return proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    seen = e.stderr.decode(errors='replace') if isinstance(e.stderr, bytes) else e.stderr or ''
+    trainer = re.findall(r'started pid (\d+)', seen)
+    states = []
+    for pid in trainer:
+      try:
+        status = pathlib.Path(f'/proc/{pid}/status').read_text().splitlines()
+        states.append(f'trainer {pid}: ' + '; '.join(
+            l for l in status if l.split(':')[0] in ('State', 'SigPnd', 'ShdPnd', 'SigBlk',
+                                                     'SigIgn', 'SigCgt')))
+      except OSError:
+        states.append(f'trainer {pid}: gone')
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(1)
+    for pid in trainer:
+      try:
+        os.killpg(int(pid), signal.SIGKILL)
+      except OSError:
+        pass
+    proc.kill()
+    _, err = proc.communicate()
+    pytest.fail(f'no exit within {timeout} s. {" | ".join(states)}\nlauncher stderr:\n'
+                f'{seen}{err}')
 
 
 def test_sigterm_while_the_trainer_starts_reaches_it(tmp_path, monkeypatch):
