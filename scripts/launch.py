@@ -42,7 +42,8 @@ trainer (which checkpoints and exits), and then the launcher exits too; one
 that comes before a trainer is started (or between attempts) starts none. Every
 start, exit and restart is logged to stderr and appended to
 <workdir>/launcher.log, each line naming the host and the launcher's pid (on a
-pod every host's launcher appends to the same file). See BUILD.md for TPU pods
+pod every host's launcher appends to the same file). SIGUSR1 prints every
+thread's stack to stderr (and the launcher goes on). See BUILD.md for TPU pods
 (one launcher per host, same command) and SLURM (one launcher around `srun`).
 """
 
@@ -379,7 +380,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  # `kill -USR1 <launcher pid>` prints every thread's stack to stderr: what a launcher that
-  # seems stuck is waiting on (it goes on running).
+  # `kill -USR1 <launcher pid>`: what a launcher that seems stuck is waiting on.
   faulthandler.register(signal.SIGUSR1, all_threads=True)
   sys.exit(main(sys.argv[1:]))
