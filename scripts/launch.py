@@ -48,8 +48,10 @@ thread's stack to stderr (and the launcher goes on). See BUILD.md for TPU pods
 """
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
+import io
 import os
 import queue
 import re
@@ -380,6 +382,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  # `kill -USR1 <launcher pid>`: what a launcher that seems stuck is waiting on.
-  faulthandler.register(signal.SIGUSR1, all_threads=True)
+  # `kill -USR1 <launcher pid>`: what a launcher that seems stuck is waiting on. Only where
+  # stderr is a file descriptor (a caller may have swapped in a Python stream).
+  with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
   sys.exit(main(sys.argv[1:]))
