@@ -34,6 +34,7 @@ starts; interpolated otherwise).
 import atexit
 import contextlib
 import gc
+import itertools
 import json
 import os
 import socket
@@ -68,7 +69,7 @@ def process_start_time() -> float:
 
 
 _IMPORTED = time.time()
-_PROCESS_START_TAKEN = threading.Event()
+_ACCOUNTS = itertools.count()  # accounts made in this process (next() is atomic)
 
 
 def session_start() -> tuple[float, str]:
@@ -76,9 +77,8 @@ def session_start() -> tuple[float, str]:
   call (imports count), the call itself for any later one in the same process (a notebook, a
   test), else the time between calls would count as start-up, and two calls would write
   the same record."""
-  if _PROCESS_START_TAKEN.is_set():
+  if next(_ACCOUNTS):
     return time.time(), 'train() call'
-  _PROCESS_START_TAKEN.set()
   return process_start_time(), 'process start'
 
 
