@@ -128,6 +128,14 @@ def run_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
     return outs
 
 
+def process_args(workdir, steps: int, ckpt_every: int, i: int, port: int,
+                 heartbeat_timeout: int | None, *extra: str) -> list[str]:
+  """train.py's argv as process i of two meeting on localhost:`port`."""
+  heartbeat = [f'--heartbeat_timeout={heartbeat_timeout}'] if heartbeat_timeout else []
+  return train_args(workdir, steps, ckpt_every, *extra, f'--coordinator_address=127.0.0.1:{port}',
+                    f'--process_id={i}', '--num_processes=2', *heartbeat)
+
+
 def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
                         wrapper: str | None = None, log_dir=None,
                         heartbeat_timeout: int | None = None) -> list[subprocess.Popen]:
@@ -137,9 +145,7 @@ def spawn_two_processes(workdir, steps: int, ckpt_every: int, *extra: str,
   port = free_port()
   procs = []
   for i in range(2):
-    args = train_args(workdir, steps, ckpt_every, *extra, f'--coordinator_address=127.0.0.1:{port}',
-                      f'--process_id={i}', '--num_processes=2',
-                      *([f'--heartbeat_timeout={heartbeat_timeout}'] if heartbeat_timeout else []))
+    args = process_args(workdir, steps, ckpt_every, i, port, heartbeat_timeout, *extra)
     if wrapper:
       args[1] = wrapper
     out = open(pathlib.Path(log_dir) / f'log{i}', 'w') if log_dir else subprocess.PIPE

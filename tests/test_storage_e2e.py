@@ -47,8 +47,8 @@ import storage
 import storage_faults
 import workdir_lock
 from servers import free_port
-from test_multihost import (RETRIED_STARTS, communicate_all, spawn_train, train_args,
-                            trainer_env)
+from test_multihost import (RETRIED_STARTS, communicate_all, process_args, spawn_train,
+                            train_args, trainer_env)
 from test_rollback import INSTALL_POISON, LR, POISON_CODE, RUN, STEPS, WINDOW
 from test_rollback import poisoned_files  # noqa: F401  (a module fixture used here)
 from test_train import VOCAB, config_flags, timed
@@ -465,9 +465,7 @@ def two_processes(workdir: str, steps: int, ckpt_every: int, timeout: float = 30
     port = free_port()
     procs = []
     for i in range(2):
-      short = [f'--heartbeat_timeout={heartbeat_timeout}'] if heartbeat_timeout else []
-      args = train_args(workdir, steps, ckpt_every, f'--coordinator_address=127.0.0.1:{port}',
-                        f'--process_id={i}', '--num_processes=2', *short)
+      args = process_args(workdir, steps, ckpt_every, i, port, heartbeat_timeout)
       procs.append(subprocess.Popen(wrap(i, args), cwd=REPO, env=trainer_env(2), text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = communicate_all(procs, timeout)
