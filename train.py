@@ -73,24 +73,30 @@ class TrainState(NamedTuple):
 
 # --- The train state --------------------------------------------------------------------
 
-_ABSTRACT: dict[str, Any] = {}  # abstract_state's last answer and its key
+_INIT: dict[str, Any] = {}  # init_fn's last answer, its abstract state and their key
 
 
-def _init_fn(cfg: ml_collections.ConfigDict, tx: Any):
-  def init(rng):
-    params = model.init_params(cfg.model, rng)
-    return TrainState(params, tx.init(params))
-  return init
+def init_fn(cfg: ml_collections.ConfigDict, tx: Any) -> Any:
+  """rng -> the step-0 TrainState: one function object per model config and optimizer, so
+  jit's trace cache serves abstract_state's trace to create_state (~0.2 s a start)."""
+  key = (cfg.model.to_json_best_effort(sort_keys=True), tx)
+  if _INIT.get('key') != key:  # tx held in the key: its identity cannot be reused
+    def init(rng):
+      params = model.init_params(cfg.model, rng)
+      return TrainState(params, tx.init(params))
+    _INIT.clear()
+    _INIT.update(key=key, init=init)
+  return _INIT['init']
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = None
                    ) -> TrainState:
   """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated.
   Traced once per model config and optimizer: a start asks several times, each trace ~0.2 s."""
-  key = (cfg.model.to_json_best_effort(sort_keys=True), tx)
-  if _ABSTRACT.get('key') != key:  # tx held in the key: its identity cannot be reused
-    _ABSTRACT.update(key=key, state=jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0)))
-  abstract = _ABSTRACT['state']
+  init = init_fn(cfg, tx)
+  if 'state' not in _INIT:
+    _INIT['state'] = jax.eval_shape(init, jax.random.key(0))
+  abstract = _INIT['state']
   if mesh is None:
     return abstract
   return sharding.placed(abstract, mesh)
@@ -100,7 +106,7 @@ def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.A
                  ) -> tuple[TrainState, TrainState]:
   """(state, shardings): built already sharded, so no full-size array ever exists."""
   shardings = sharding.state_shardings(abstract_state(cfg, tx), mesh)
-  return jax.jit(_init_fn(cfg, tx), out_shardings=shardings)(rng), shardings
+  return jax.jit(init_fn(cfg, tx), out_shardings=shardings)(rng), shardings
 
 
 def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainState,
@@ -443,6 +449,10 @@ def main(argv: list[str]) -> None:
 def run() -> None:
   """The command line: defines the flags (here, not at import: plan.py, tests and scripts
   import this module as a library) and runs main (`python train.py` calls it)."""
+  global COLLECTOR_PAUSED  # pylint: disable=global-statement
+  if gc.isenabled():  # a script calling run() starts like `python train.py`, imports aside
+    gc.disable()
+    COLLECTOR_PAUSED = True
   kernels.xla.set_cpu_flags()  # before anything starts a JAX backend
   # Without --config in argv this already parses the default file and the overrides.
   with config_checks.config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):

@@ -1,6 +1,6 @@
 """Test setup: 8 simulated CPU devices and the run's XLA flags (set before JAX is
-imported), strict ranks, rarer cyclic collections, and one persistent compilation cache
-for the whole run."""
+imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, and one persistent
+compilation cache for the whole run."""
 
 import gc
 import os
@@ -12,6 +12,10 @@ from xla_flags import TEST_FLAGS
 os.environ['XLA_FLAGS'] = (f"--xla_force_host_platform_device_count=8 {TEST_FLAGS} "
                            f"{os.environ.get('XLA_FLAGS', '')}").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# One OpenBLAS thread per process (numpy's, read when numpy loads): the two xdist workers
+# already fill the two cores, and idle BLAS threads spinning cost each JAX child ~6% of
+# its CPU (paired runs of a tiny train.py; docs/results/tests.md).
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS line)
 import pytest  # noqa: E402

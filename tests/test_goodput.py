@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -104,9 +105,18 @@ def test_a_process_that_takes_no_step_turns_the_collector_on_at_its_end(tmp_path
     assert not gc.isenabled()
     with goodput.Account(str(tmp_path), collector_paused=True):  # `python train.py`
       assert not gc.isenabled()
+      cycle = Cycle()  # start-up garbage the collector must free before the freeze
+      cycle.me, dead = cycle, weakref.ref(cycle)
+      del cycle
     assert gc.isenabled()
+    assert dead() is None and gc.get_freeze_count() > 0  # collected, then the rest frozen
   finally:
     gc.enable()
+    gc.unfreeze()
+
+
+class Cycle:
+  me: 'Cycle'
 
 
 def test_compilation_cache_setting(tmp_path, monkeypatch):
@@ -251,17 +261,18 @@ def test_sigkill_and_resume_counts_the_redone_steps_as_wasted(tmp_path):
   assert records[-1]['goodput/badput/wasted progress (%)'] > 0
 
 
-# Runs train.py as `python train.py` runs it, noting each cyclic collection made while
-# train.py runs (not this script's own imports) and the moment its first step is reported.
+# Runs train.py as `python train.py` runs it (or as a script calling train.run() does),
+# noting each cyclic collection made while train.py runs (not this script's own imports;
+# for a script, from its call on) and the moment its first step is reported.
 GC_CHILD = '''
 import gc, json, runpy, sys
 sys.path.insert(0, {repo!r})
-runs, seen = [], []
+runs, seen, started = [], [], [{main}]
 def note(phase, info):
   frame = sys._getframe()
   while frame is not None and frame.f_code.co_filename != {train!r}:
     frame = frame.f_back
-  if phase == 'start' and frame is not None:
+  if phase == 'start' and frame is not None and started[0]:
     runs.append(info['generation'])
 gc.callbacks.append(note)
 class Watch:
@@ -273,24 +284,32 @@ class Watch:
 sys.stdout = Watch(sys.stdout)
 sys.argv[0] = {train!r}
 try:
-  runpy.run_path(sys.argv[0], run_name='__main__')
+  if started[0]:
+    runpy.run_path(sys.argv[0], run_name='__main__')
+  else:
+    import train
+    started[0] = True
+    train.run()
 finally:
-  print('GC', json.dumps([seen, len(runs), gc.isenabled()]), file=sys.stderr)
+  print('GC', json.dumps([seen, len(runs), gc.isenabled(), gc.get_freeze_count()]),
+        file=sys.stderr)
 '''
 
 
 @pytest.mark.slow  # a train.py process
-def test_the_collector_waits_for_the_first_step(tmp_path):
+@pytest.mark.parametrize('main', [True, False], ids=['python train.py', 'train.run()'])
+def test_the_collector_waits_for_the_first_step(tmp_path, main):
   """train.py's start-up runs without the cyclic collector (~0.3 s less), which is on again
   from its first step: no collection before it, the collector enabled after it."""
   # pylint: disable-next=import-outside-toplevel
   from test_multihost import train_args, trainer_env
   script = tmp_path / 'child.py'
-  script.write_text(GC_CHILD.format(repo=str(REPO), train=str(REPO / 'train.py')))
+  script.write_text(GC_CHILD.format(repo=str(REPO), train=str(REPO / 'train.py'), main=main))
   args = train_args(tmp_path / 'run', 3, 3, '--sample_tokens=0')
   out = subprocess.run([sys.executable, str(script), *args[2:]], cwd=REPO, env=trainer_env(1),
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
-  before, total, enabled = json.loads(out.stderr.strip().splitlines()[-1][3:])
+  before, total, enabled, frozen = json.loads(out.stderr.strip().splitlines()[-1][3:])
   assert before == [0], out.stderr[-2000:]  # not one collection before the first step
   assert enabled and total > 0  # on again, and collecting, for the rest of the run
+  assert frozen > 100_000  # the start-up's survivors out of the collector's sight
