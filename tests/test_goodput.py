@@ -119,6 +119,29 @@ class Cycle:
   me: 'Cycle'
 
 
+def test_a_closed_loader_is_freed_without_the_collector(tmp_path):
+  """What the loop replaces at a rollback must not need the collector: the start-up's
+  objects are frozen (never collected), so a loader left in a cycle would keep its
+  prefetched batches on the devices for the rest of the run."""
+  import config_checks, data, sharding  # pylint: disable=import-outside-toplevel,multiple-imports
+  from configs import small  # pylint: disable=import-outside-toplevel
+  cfg = config_checks.complete(small.get_config())
+  mesh = sharding.make_mesh(cfg.train)
+  ds = data.dataset_from_config(cfg.data, cache_dir=str(tmp_path))
+  try:
+    gc.disable()
+    loader = data.Loader.from_config(cfg.data, ds, sharding=sharding.batch_sharding(mesh),
+                                     cache_dir=str(tmp_path))
+    batch = next(iter(loader))
+    del batch
+    loader.close()
+    freed = weakref.ref(loader)
+    del loader
+    assert freed() is None  # reference counting alone
+  finally:
+    gc.enable()
+
+
 def test_compilation_cache_setting(tmp_path, monkeypatch):
   saved = jax.config.jax_compilation_cache_dir
   try:
