@@ -31,7 +31,8 @@ def generate(cfg_model: ml_collections.ConfigDict, params: model.Params, prompt_
   """
   total = min(len(prompt_ids) + length, max_len)
   # The head's weight cut to the vocabulary and cast once, not at every token: at dolma2's
-  # 100k ids that copy was most of a token's time on a CPU.
+  # 100k ids that copy was most of a token's time on a CPU. (model.head reads only
+  # params['lm_head']['w'], so it takes this one-entry tree as it is.)
   head = {'lm_head': {'w': model.head_weight(params, jnp.dtype(cfg_model.dtype), vocab_size)}}
 
   @jax.jit

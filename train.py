@@ -73,30 +73,26 @@ class TrainState(NamedTuple):
 
 # --- The train state --------------------------------------------------------------------
 
-_INIT: dict[str, Any] = {}  # init_fn's last answer, its abstract state and their key
+_INIT: dict[str, Any] = {}  # _init_fn's last answer and its key
 
 
-def init_fn(cfg: ml_collections.ConfigDict, tx: Any) -> Any:
-  """rng -> the step-0 TrainState: one function object per model config and optimizer, so
-  jit's trace cache serves abstract_state's trace to create_state (~0.2 s a start)."""
+def _init_fn(cfg: ml_collections.ConfigDict, tx: Any) -> tuple[Any, TrainState]:
+  """(rng -> the step-0 TrainState, its abstract state), traced once per model config and
+  optimizer (~0.2 s a trace): a start asks several times, and create_state's jit of the
+  same function object is served from jit's trace cache."""
   key = (cfg.model.to_json_best_effort(sort_keys=True), tx)
   if _INIT.get('key') != key:  # tx held in the key: its identity cannot be reused
     def init(rng):
       params = model.init_params(cfg.model, rng)
       return TrainState(params, tx.init(params))
-    _INIT.clear()
-    _INIT.update(key=key, init=init)
-  return _INIT['init']
+    _INIT.update(key=key, answer=(init, jax.eval_shape(init, jax.random.key(0))))
+  return _INIT['answer']
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = None
                    ) -> TrainState:
-  """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated.
-  Traced once per model config and optimizer: a start asks several times, each trace ~0.2 s."""
-  init = init_fn(cfg, tx)
-  if 'state' not in _INIT:
-    _INIT['state'] = jax.eval_shape(init, jax.random.key(0))
-  abstract = _INIT['state']
+  """ShapeDtypeStructs of the train state (sharded on `mesh` if given); nothing is allocated."""
+  abstract = _init_fn(cfg, tx)[1]
   if mesh is None:
     return abstract
   return sharding.placed(abstract, mesh)
@@ -105,8 +101,9 @@ def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = 
 def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.Array
                  ) -> tuple[TrainState, TrainState]:
   """(state, shardings): built already sharded, so no full-size array ever exists."""
-  shardings = sharding.state_shardings(abstract_state(cfg, tx), mesh)
-  return jax.jit(init_fn(cfg, tx), out_shardings=shardings)(rng), shardings
+  init, abstract = _init_fn(cfg, tx)
+  shardings = sharding.state_shardings(abstract, mesh)
+  return jax.jit(init, out_shardings=shardings)(rng), shardings
 
 
 def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainState,
