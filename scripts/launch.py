@@ -319,10 +319,10 @@ class Launcher:
         return False
       except subprocess.TimeoutExpired:
         pass
-      try:
-        touched = os.stat(heartbeat).st_mtime
-        with open(heartbeat, 'rb') as f:
+      try:  # the content first, then its time: a pause left between the two reads as a
+        with open(heartbeat, 'rb') as f:  # fresh beat, never as a stale one unpaused
           paused = f.read(len(PAUSED)) == PAUSED
+          touched = os.fstat(f.fileno()).st_mtime
       except OSError:  # removed by a tmp cleaner, say: the watchdog cannot tell, so it waits
         continue
       if touched > 0 and not paused and time.time() - touched > self.stall_timeout:

@@ -223,6 +223,32 @@ def test_a_compiling_trainer_is_not_killed_but_one_stalled_after_its_first_beat_
   assert launch.PAUSED == health.PAUSED  # the launcher reads what the trainer writes
 
 
+def test_a_pause_left_while_the_watchdog_reads_is_not_a_stall(tmp_path, monkeypatch):
+  # A compile longer than --stall_timeout ends (the trainer empties the file) just as the
+  # watchdog looks: it must see a fresh beat, never the pause's old time without the pause.
+  path = tmp_path / 'heartbeat'
+  monkeypatch.setenv(health.HEARTBEAT_ENV, str(path))
+  pause = health.Heartbeat().paused()
+  pause.__enter__()  # pylint: disable=unnecessary-dunder-call  # left inside open(), below
+  os.utime(path, (time.time() - 60,) * 2)  # paused for a minute: 30x the timeout
+  left = []
+
+  def open_as_the_pause_ends(file, *args, **kwargs):
+    if not left and os.fspath(file) == str(path):
+      left.append(path.read_bytes().startswith(health.PAUSED))
+      pause.__exit__(None, None, None)  # the trainer's own write: empty, touched
+    return open(file, *args, **kwargs)
+  monkeypatch.setattr(launch, 'open', open_as_the_pause_ends, raising=False)
+  watcher = launch.Launcher([sys.executable, '-c', 'import time; time.sleep(1.5)'],
+                            str(tmp_path / 'w'), stall_timeout=2)  # polls every 0.5 s
+  watcher.child = subprocess.Popen(watcher.command, start_new_session=True)
+  try:
+    stalled = watcher._watch(1, str(path))  # pylint: disable=protected-access
+  finally:
+    watcher.child.kill()
+  assert left == [True] and not stalled
+
+
 def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
   # Each attempt commits one more step and crashes; the sixth finishes. With
   # max_failures=2 only the progress keeps the launcher going.
