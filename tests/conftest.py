@@ -3,6 +3,7 @@ imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, and one 
 compilation cache for the whole run."""
 
 import gc
+import json
 import os
 import sys
 
@@ -19,6 +20,8 @@ os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS line)
 import pytest  # noqa: E402
+
+import zygote  # noqa: E402
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 # Tracing makes objects by the hundred thousand and frees them by reference count; at
@@ -71,3 +74,35 @@ LONGEST_FIRST = ('test_storage_e2e.py', 'test_eval.py', 'test_train.py', 'test_k
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
+# Python children through a fork server (tests/zygote.py): each skips ~1.1 CPU-seconds of
+# imports. Not in xdist's controller: it starts the workers themselves with `python -c`.
+def pytest_configure(config):
+  if hasattr(config, 'workerinput') or not config.getoption('numprocesses', None):
+    zygote.install()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter(request):
+  """A test marked `fresh_interpreter` starts its children as new processes."""
+  zygote.PAUSED[0] = request.node.get_closest_marker('fresh_interpreter') is not None
+  yield
+  zygote.PAUSED[0] = False
+
+
+def pytest_sessionfinish(session):
+  if hasattr(session.config, 'workerinput'):
+    session.config.workeroutput['zygote'] = json.dumps(zygote.STATS)
+
+
+def pytest_testnodedown(node, error):  # xdist's controller: a worker's counts
+  for key, value in json.loads(node.workeroutput.get('zygote', '{}')).items():
+    zygote.STATS[key] += value
+
+
+def pytest_terminal_summary(terminalreporter):
+  if zygote.STATS['forked'] or zygote.STATS['afresh']:
+    terminalreporter.write_line('Python children: {forked} forked by {zygotes} zygotes, '
+                                '{afresh} started afresh (tests/zygote.py).'
+                                .format(**zygote.STATS))

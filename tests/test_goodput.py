@@ -79,6 +79,7 @@ def test_the_phase_clock_adds_up_to_the_process_time(tmp_path):
   assert record['exit_code'] == 0
 
 
+@pytest.mark.fresh_interpreter  # the imports must come after the process start
 def test_only_a_process_first_account_is_timed_from_the_process_start(tmp_path):
   """In a fresh process the first account starts at the OS's record of the process start
   (before the imports); a second one (train.train called again in a notebook) starts at its
