@@ -435,15 +435,20 @@ class Heartbeat:
     self.compiled: set[str] = set()
 
   def _write(self, content: bytes | None) -> None:
-    """Touches the file (content None) or replaces its content (which touches it too)."""
+    """Touches the file (content None) or replaces it (which touches it too). A new
+    content is a new file renamed over the old: an open that truncates sets the time
+    before the bytes land, and a trainer descheduled in between looked to the watchdog
+    like one that had left its pause long ago."""
     if not self.path:
       return
     try:
-      with open(self.path, 'ab' if content is None else 'wb') as f:
-        if content is None:
+      if content is None:
+        with open(self.path, 'ab'):  # made again if a tmp cleaner removed it
           os.utime(self.path)
-        else:
+      else:
+        with open(self.path + '.tmp', 'wb') as f:
           f.write(content)
+        os.replace(self.path + '.tmp', self.path)
     except OSError as e:  # the watchdog is a helper: never stop training for it
       logging.warning('Cannot touch the heartbeat file %s (%s); the launcher may take this '
                       'trainer for stalled.', self.path, e)

@@ -180,6 +180,23 @@ class _Relay:
     stream.close()
 
 
+def silence(heartbeat: str, now: float | None = None) -> float | None:
+  """Seconds since the trainer's last beat; None while it is paused (compiling), before
+  its first beat, or when the file cannot be read (the watchdog cannot tell, so it waits).
+  The content is read first and the time from the same open file: a pause left between
+  the two reads is a fresh beat, never a stale one unpaused (health.Heartbeat renames
+  each new content over the file, so content and time change together)."""
+  try:
+    with open(heartbeat, 'rb') as f:
+      paused = f.read(len(PAUSED)) == PAUSED
+      touched = os.fstat(f.fileno()).st_mtime
+  except OSError:  # removed by a tmp cleaner, say
+    return None
+  if paused or touched <= 0:  # mtime 0: not touched yet, the watchdog is not armed
+    return None
+  return (time.time() if now is None else now) - touched
+
+
 class Launcher:
   """The restart loop; `run()` returns the exit code for the launcher itself."""
 
@@ -304,8 +321,9 @@ class Launcher:
       relay.thread.join(10)
       self.lost = relay.lost
     finally:
-      if heartbeat is not None and os.path.exists(heartbeat):
-        os.remove(heartbeat)
+      for path in (heartbeat, f'{heartbeat}.tmp') if heartbeat is not None else ():
+        if os.path.exists(path):  # .tmp: the trainer's next content, if it died writing it
+          os.remove(path)
     if not stalled and self._kill_group():  # e.g. a data worker it forked and never reaped
       self.log(f'attempt {attempt}: killed processes the trainer left in its process group.')
     return rc, stalled
@@ -319,15 +337,10 @@ class Launcher:
         return False
       except subprocess.TimeoutExpired:
         pass
-      try:  # the content first, then its time: a pause left between the two reads as a
-        with open(heartbeat, 'rb') as f:  # fresh beat, never as a stale one unpaused
-          paused = f.read(len(PAUSED)) == PAUSED
-          touched = os.fstat(f.fileno()).st_mtime
-      except OSError:  # removed by a tmp cleaner, say: the watchdog cannot tell, so it waits
-        continue
-      if touched > 0 and not paused and time.time() - touched > self.stall_timeout:
+      silent = silence(heartbeat)
+      if silent is not None and silent > self.stall_timeout:
         self.log(f'attempt {attempt}: no heartbeat from the trainer (pid {self.child.pid}) for '
-                 f'{time.time() - touched:.0f} s (--stall_timeout={self.stall_timeout:g}); '
+                 f'{silent:.0f} s (--stall_timeout={self.stall_timeout:g}); '
                  'killing its process group.')
         self._kill_group()
         return True

@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices and the run's XLA flags (set before JAX is
-imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, and one persistent
-compilation cache for the whole run."""
+imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, one persistent
+compilation cache for the whole run, and the tests' Python children forked by
+tests/zygote.py."""
 
 import gc
 import json
@@ -96,7 +97,8 @@ def pytest_sessionfinish(session):
     session.config.workeroutput['zygote'] = json.dumps(zygote.STATS)
 
 
-def pytest_testnodedown(node, error):  # xdist's controller: a worker's counts
+@pytest.hookimpl(optionalhook=True)  # xdist's hook
+def pytest_testnodedown(node, error):  # the controller: a worker's counts
   for key, value in json.loads(node.workeroutput.get('zygote', '{}')).items():
     zygote.STATS[key] += value
 

@@ -249,6 +249,34 @@ def test_a_pause_left_while_the_watchdog_reads_is_not_a_stall(tmp_path, monkeypa
   assert left == [True] and not stalled
 
 
+def test_a_trainer_descheduled_as_it_enters_a_pause_is_never_stalled(tmp_path, monkeypatch):
+  # The launcher's file, not touched yet; the trainer enters a compile's pause. Were it
+  # descheduled for a minute at any line of that write, the watchdog must still wait: an
+  # open that truncates the file sets its time before the bytes land.
+  path = tmp_path / 'heartbeat'
+  path.write_bytes(b'')
+  os.utime(path, (0, 0))
+  monkeypatch.setenv(health.HEARTBEAT_ENV, str(path))
+  seen = []
+
+  def trace(frame, event, arg):  # a watchdog's look, a minute later, at each line
+    if frame.f_code is not health.Heartbeat._write.__code__:  # pylint: disable=protected-access
+      return None
+    if event == 'line':
+      seen.append(launch.silence(str(path), now=time.time() + 60))
+    return trace
+  trainer = health.Heartbeat()
+  sys.settrace(trace)
+  try:
+    with trainer.paused():
+      sys.settrace(None)
+      inside = launch.silence(str(path), now=time.time() + 60)
+  finally:
+    sys.settrace(None)
+  assert len(seen) >= 3 and seen == [None] * len(seen) and inside is None, seen
+  assert launch.silence(str(path), now=time.time() + 60) > 59  # left: a beat, timed again
+
+
 def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
   # Each attempt commits one more step and crashes; the sixth finishes. With
   # max_failures=2 only the progress keeps the launcher going.
