@@ -60,6 +60,7 @@ STATS = {'forked': 0, 'afresh': 0, 'zygotes': 0}
 PAUSED = [False]  # set while a test marked `fresh_interpreter` runs (conftest.py)
 INSTALLED = [False]
 _ZYGOTES: list['Zygote'] = []  # the most recently used last
+_FAILED: set[tuple] = set()  # the native variables of zygotes that failed to start
 _LOCK = threading.Lock()
 _ORIGINAL = subprocess.Popen._execute_child  # pylint: disable=protected-access
 
@@ -120,7 +121,8 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
     fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
            errwrite if errwrite != -1 else 2]
     with _LOCK:
-      pid = _zygote_for(request['env']).fork(request, fds)
+      zygote = _zygote_for(request['env'])
+      pid = zygote.fork(request, fds) if zygote else None
   if pid is None:
     STATS['afresh'] += 1
     return _ORIGINAL(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
@@ -133,13 +135,20 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
   return None
 
 
-def _zygote_for(env: dict[str, str]) -> 'Zygote':
-  """A running zygote that agrees with `env` on what it read at import, else a new one."""
+def _native(env: dict[str, str]) -> tuple:
+  return tuple(sorted((k, v) for k, v in env.items() if k.startswith(NATIVE_PREFIXES)))
+
+
+def _zygote_for(env: dict[str, str]) -> 'Zygote | None':
+  """A running zygote that agrees with `env` on what it read at import, else a new one;
+  None where one failed to start before (e.g. BLAS threads at import: not forkable)."""
   for zygote in reversed(_ZYGOTES):
     if zygote.serves(env):
       _ZYGOTES.remove(zygote)
       break
   else:
+    if _native(env) in _FAILED:
+      return None
     zygote = Zygote(env)
     while len(_ZYGOTES) >= MAX_ZYGOTES:
       _ZYGOTES.pop(0).stop()
@@ -179,6 +188,7 @@ class Zygote:
   def fork(self, request: dict, fds: list[int]) -> int | None:
     """The child's pid, or None when this zygote cannot serve (it failed to start)."""
     if not self._ready():
+      _FAILED.add(_native(self.env))
       return None
     try:
       _adopting(True)  # for this child only: other orphans still go to init, which reaps
