@@ -16,7 +16,8 @@ afresh instead:
     agree with it on every variable Python code read while it imported (it
     records them: JAX's options, workdir_lock's lease, TMPDIR, ...) and on every
     variable native code may read as it loads (NATIVE_PREFIXES). Another
-    environment gets a zygote of its own (at most MAX_ZYGOTES, the oldest stopped).
+    environment gets a zygote of its own (at most MAX_ZYGOTES, the oldest stopped);
+    one whose zygote could not start (an import started a thread) gets none.
   * Only `python FILE` with FILE in the repository root, and `python -c` run from
     it: there a new interpreter's sys.path[0] is the root too, so whatever the
     zygote had imported from it, the child would also find.
