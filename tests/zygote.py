@@ -34,6 +34,8 @@ children were forked, by how many zygotes, and how many started afresh.
 import atexit
 import builtins
 import ctypes
+import gc
+import importlib
 import io
 import json
 import os
@@ -245,14 +247,12 @@ def serve(address: str) -> None:
   ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
   base_path = sys.path[1:]  # the interpreter's own, without this file's folder
   sys.path.insert(0, REPO)
-  import importlib  # pylint: disable=import-outside-toplevel
   os.environ.__class__ = _RecordingEnviron
   for name in PRELOAD:
     importlib.import_module(name)
   os.environ.__class__ = os._Environ  # pylint: disable=protected-access
   if len(os.listdir('/proc/self/task')) != 1:  # a thread would not survive a fork
     sys.exit('zygote: an import started a thread; not forking')
-  import gc  # pylint: disable=import-outside-toplevel
   gc.collect()
   with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as server:
     server.bind(address)
