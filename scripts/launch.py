@@ -38,8 +38,9 @@ lines and says it in one `error:` line.
 The trainer runs in its own session (process group), so the watchdog reaches
 its children too, and whatever it leaves behind when it exits is killed
 before the next attempt. SIGTERM/SIGINT to the launcher are passed to the
-trainer (which checkpoints and exits), and then the launcher exits too; one
-that comes before a trainer is started (or between attempts) starts none. Every
+trainer (which checkpoints and exits) within SIGNAL_CHECK_SECONDS, and then the
+launcher exits too; one that comes before a trainer is started (or between
+attempts, which ends the backoff's wait) starts none. Every
 start, exit and restart is logged to stderr and appended to
 <workdir>/launcher.log, each line naming the host and the launcher's pid (on a
 pod every host's launcher appends to the same file). SIGUSR1 prints every
@@ -73,6 +74,11 @@ import storage  # noqa: E402
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
 PAUSED = b'paused'  # health.PAUSED: the trainer is compiling, the watchdog does not count
 LOG_FLUSH_SECONDS = 15.0  # at exit, the longest wait for launcher.log's last lines
+# CPython runs a signal's Python handler between bytecodes. A signal that lands after the
+# interpreter's last look and before a blocking call (a sleep, a wait) starts only marks the
+# handler due: the call blocks on to its end, and a SIGTERM would reach the trainer only
+# when it exits. So no wait of the launcher blocks longer than this at a time.
+SIGNAL_CHECK_SECONDS = 0.5
 _TASK = re.compile(rb'^\s*(?:/job:[^/\s]+/replica:\d+/task:)?(\d+)\s*$')  # a listed lost task
 
 
@@ -316,8 +322,8 @@ class Launcher:
       self.log(f'attempt {attempt}: started pid {self.child.pid} (latest checkpoint: '
                f'{best}): {" ".join(self.command)}')
       self._pass_on()  # a signal that came while it started, before self.child was set
-      stalled = heartbeat is not None and self._watch(attempt, heartbeat)
-      rc = self.child.wait()
+      stalled = self._wait(attempt, heartbeat)
+      rc = self.child.wait()  # it has exited, or its process group was SIGKILLed
       relay.thread.join(10)
       self.lost = relay.lost
     finally:
@@ -328,15 +334,20 @@ class Launcher:
       self.log(f'attempt {attempt}: killed processes the trainer left in its process group.')
     return rc, stalled
 
-  def _watch(self, attempt: int, heartbeat: str) -> bool:
-    """Waits for the trainer; True if it stalled and its process group was killed."""
-    poll = min(5.0, self.stall_timeout / 4)
+  def _wait(self, attempt: int, heartbeat: str | None) -> bool:
+    """Waits for the trainer, SIGNAL_CHECK_SECONDS at a time; True if the watchdog (with
+    a heartbeat file) found it stalled and killed its process group."""
+    look_every = min(5.0, self.stall_timeout / 4) if heartbeat is not None else float('inf')
+    next_look = time.monotonic() + look_every
     while True:
       try:
-        self.child.wait(timeout=poll)
+        self.child.wait(timeout=min(SIGNAL_CHECK_SECONDS, look_every))
         return False
       except subprocess.TimeoutExpired:
         pass
+      if time.monotonic() < next_look:
+        continue
+      next_look = time.monotonic() + look_every
       silent = silence(heartbeat)
       if silent is not None and silent > self.stall_timeout:
         self.log(f'attempt {attempt}: no heartbeat from the trainer (pid {self.child.pid}) for '
@@ -385,7 +396,14 @@ class Launcher:
       self.log(f'attempt {attempt}: trainer {what}; latest checkpoint {latest} '
                f'({"progress" if progressed else f"no progress, {failures} in a row"}); '
                f'restarting in {delay:g} s.')
-      time.sleep(delay)
+      self._back_off(delay)
+
+  def _back_off(self, seconds: float) -> None:
+    """Sleeps `seconds`, SIGNAL_CHECK_SECONDS at a time, and no longer once signalled (a
+    sleep resumes after its handler has run)."""
+    end = time.monotonic() + seconds
+    while not self.stopping and (left := end - time.monotonic()) > 0:
+      time.sleep(min(left, SIGNAL_CHECK_SECONDS))
 
 
 def main(argv: list[str]) -> int:

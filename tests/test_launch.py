@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -56,6 +57,15 @@ def fake_trainer(tmp_path, body: str) -> list[str]:
   script.write_text('import os, signal, sys, time\n'
                     f'ckpt = {str(tmp_path / "w" / "checkpoints")!r}\n' + body)
   return [sys.executable, str(script), f'--workdir={tmp_path / "w"}']
+
+
+# A stand-in trainer that exits EXIT_PREEMPTED on SIGTERM (as train.py does after its
+# checkpoint). It sleeps in short slices: a signal that lands just before a sleep starts
+# marks its handler due without waking the sleep (launch.SIGNAL_CHECK_SECONDS says why), and
+# one long sleep outlasted the test's timeout so under load.
+EXITS_3_ON_SIGTERM = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
+                      'print("ready", flush=True)\n'
+                      'for _ in range(1200):\n  time.sleep(0.1)\n')
 
 
 def test_exit_codes_match_train():
@@ -243,7 +253,7 @@ def test_a_pause_left_while_the_watchdog_reads_is_not_a_stall(tmp_path, monkeypa
                             str(tmp_path / 'w'), stall_timeout=2)  # polls every 0.5 s
   watcher.child = subprocess.Popen(watcher.command, start_new_session=True)
   try:
-    stalled = watcher._watch(1, str(path))  # pylint: disable=protected-access
+    stalled = watcher._wait(1, str(path))  # pylint: disable=protected-access
   finally:
     watcher.child.kill()
   assert left == [True] and not stalled
@@ -296,12 +306,9 @@ def test_progress_resets_the_failure_count_and_success_stops(tmp_path):
 
 
 def test_preempted_exit_restarts_and_sigterm_to_launcher_is_forwarded(tmp_path):
-  # The stand-in exits EXIT_PREEMPTED on SIGTERM (as train.py does after its
-  # checkpoint); a signalled launcher passes the signal on and does not restart.
-  body = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
-          'print("ready", flush=True)\ntime.sleep(120)\n')
+  # A signalled launcher passes the signal on and does not restart.
   proc = subprocess.Popen([sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0',
-                           '--', *fake_trainer(tmp_path, body)], cwd=REPO, text=True,
+                           '--', *fake_trainer(tmp_path, EXITS_3_ON_SIGTERM)], cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   assert proc.stdout.readline().strip() == 'ready'
   proc.send_signal(signal.SIGTERM)
@@ -345,8 +352,6 @@ def test_sigterm_while_the_trainer_starts_reaches_it(tmp_path, monkeypatch):
   """The signal lands after the trainer's fork but before the launcher knows its pid (a
   loaded host: the test above once waited out the trainer's whole sleep): the start
   passes it on, once."""
-  body = ('signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n'
-          'print("ready", flush=True)\ntime.sleep(60)\n')
   started = []
 
   class SignalledWhileStarting(subprocess.Popen):
@@ -363,15 +368,48 @@ def test_sigterm_while_the_trainer_starts_reaches_it(tmp_path, monkeypatch):
   monkeypatch.setattr(launch.subprocess, 'Popen', SignalledWhileStarting)
   began = time.monotonic()
   try:
-    rc = launch.Launcher(fake_trainer(tmp_path, body), str(tmp_path / 'w'), backoff=0).run()
+    rc = launch.Launcher(fake_trainer(tmp_path, EXITS_3_ON_SIGTERM), str(tmp_path / 'w'),
+                         backoff=0).run()
   finally:
     os.close(ready_r)
     os.close(ready_w)
-  assert time.monotonic() - began < 30  # not the trainer's 60 s sleep
+  assert time.monotonic() - began < 30  # not the trainer's 120 s
   assert rc == 3 and len(started) == 1 and started[0].returncode == 3
   log = (tmp_path / 'w' / 'launcher.log').read_text()
   assert log.count('passing it to the trainer') == 1, log
   assert 'launcher was signalled, not restarting' in log, log
+
+
+@pytest.mark.parametrize('when', ['trainer_running', 'backing_off'])
+def test_a_signal_whose_handler_is_due_but_not_run_is_acted_on_soon(tmp_path, when):
+  """A signal that lands just before a blocking call starts marks its handler due without
+  waking the call (CPython runs handlers between bytecodes). A signal sent to another
+  thread has the same effect, reliably: the launcher must act on it within
+  SIGNAL_CHECK_SECONDS, not when the trainer exits (no watchdog: it would wait on the
+  trainer alone) or when its backoff ends."""
+  ready = tmp_path / 'ready'
+  body = {'trainer_running': f'open({str(ready)!r}, "w").close()\n' + EXITS_3_ON_SIGTERM,
+          'backing_off': 'sys.exit(1)\n'}[when]
+  log = tmp_path / 'w' / 'launcher.log'
+
+  def signal_this_thread():
+    while not (ready.exists() if when == 'trainer_running' else
+               log.exists() and 'restarting in' in log.read_text()):
+      time.sleep(0.02)
+    time.sleep(0.3)  # the launcher is inside its wait or its sleep by now
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+  signaller = threading.Thread(target=signal_this_thread, daemon=True)
+  signaller.start()
+  began = time.monotonic()
+  rc = launch.Launcher(fake_trainer(tmp_path, body), str(tmp_path / 'w'), backoff=60,
+                       max_backoff=60, stall_timeout=0).run()
+  assert time.monotonic() - began < 15  # not the trainer's 120 s, nor the 60 s backoff
+  text = log.read_text()
+  if when == 'trainer_running':
+    assert rc == 3 and 'passing it to the trainer' in text, text
+  else:
+    assert rc == 128 + signal.SIGTERM and 'not starting attempt 2' in text, text
 
 
 def test_sigterm_before_the_first_attempt_starts_no_trainer(tmp_path, monkeypatch):
