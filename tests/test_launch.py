@@ -7,6 +7,9 @@ during an asynchronous checkpoint save, and compares the final params bit for
 bit with an uninterrupted run. Fault tests (disk full during a save, a data
 file that vanishes mid-run, a NaN loss) end the same way: the latest committed
 checkpoint restores and the run reaches the undisturbed run's params.
+
+One file of about 600 lines: its fault tests share one module-scoped uninterrupted
+run (`reference`), which a split would train twice.
 """
 
 import os
