@@ -145,6 +145,9 @@ def _native(env: dict[str, str]) -> tuple:
 def _zygote_for(env: dict[str, str]) -> 'Zygote | None':
   """A running zygote that agrees with `env` on what it read at import, else a new one;
   None where one failed to start before (e.g. BLAS threads at import: not forkable)."""
+  for dead in [z for z in _ZYGOTES if z.proc.poll() is not None]:  # its slot is free again
+    _ZYGOTES.remove(dead)
+    dead.stop()
   for zygote in reversed(_ZYGOTES):
     if zygote.serves(env):
       _ZYGOTES.remove(zygote)
