@@ -27,6 +27,7 @@ import numpy as np
 import errors
 import kernels
 import model
+import peers
 
 BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
 MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # 'context' only when train.mesh_context > 1
@@ -247,11 +248,11 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   if given and process_id == 0:
     check_coordinator_port(coordinator_address)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  # A dead peer is noticed by its missing heartbeats: the survivors abort
-  # instead of hanging in a collective, so the launcher can restart them all.
+  # A dead peer is noticed by its missing heartbeats: the survivors end (peers.py)
+  # instead of hanging in a collective, so the run can be restarted.
   try:
-    jax.distributed.initialize(**(explicit if given else {}),
-                               heartbeat_timeout_seconds=heartbeat_timeout)
+    client, address = initialize_with_callback(
+        peers.on_lost, **(explicit if given else {}), heartbeat_timeout_seconds=heartbeat_timeout)
   except Exception as e:  # pylint: disable=broad-except
     if source != 'Cloud TPU' or 'metadata' not in f'{e!r} {e.__context__!r}':
       raise
@@ -262,6 +263,36 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
         '--num_processes.') from e
   logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
                jax.process_count(), source, jax.local_device_count(), jax.device_count())
+  if client is not None:
+    peers.watch(client, jax.process_index(), jax.process_count(), address, heartbeat_timeout)
+
+
+def initialize_with_callback(on_lost: Any, **kwargs: Any) -> tuple[Any, str | None]:
+  """jax.distributed.initialize(**kwargs), its client built with `on_lost` as the
+  missed_heartbeat_callback; returns (the client, the coordinator's address).
+
+  The one use of jaxlib's private API: jax.distributed.initialize does not pass the
+  callback through, and without one the client aborts the process (peers.py).
+  initialize calls _jax.get_distributed_runtime_client(address, process_id, ...), swapped
+  here for the call's length (tests/test_multihost.py checks both signatures). A JAX
+  that no longer calls it gets (None, None): the abort stays, nothing else changes.
+  """
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  original, made = _jax.get_distributed_runtime_client, []
+
+  def client(address, node_id, *args, **kw):
+    made.append((original(address, node_id, *args, **kw, missed_heartbeat_callback=on_lost),
+                 address))
+    return made[-1][0]
+  _jax.get_distributed_runtime_client = client
+  try:
+    jax.distributed.initialize(**kwargs)
+  finally:
+    _jax.get_distributed_runtime_client = original
+  if not made:
+    logging.warning('jax.distributed.initialize no longer builds its client through '
+                    '_jax.get_distributed_runtime_client: a lost peer aborts this process.')
+  return made[0] if made else (None, None)
 
 
 def check_coordinator_port(address: str) -> None:
@@ -302,7 +333,8 @@ def define_host_flags() -> None:
   flags.DEFINE_integer('num_processes', None, 'Processes (with --coordinator_address); 1 '
                        'alone: one process, no detection.')
   flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds without a heartbeat after which the '
-                       'other processes of a multi-process run abort (JAX default 100).')
+                       'other processes of a multi-process run stop, one line naming the lost '
+                       'process, exit 1 (JAX default 100).')
 
 
 def init_distributed_from_flags() -> None:

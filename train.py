@@ -52,6 +52,7 @@ import loss
 import metrics
 import model
 import optim
+import peers
 import profiler
 import rollback
 import sample
@@ -437,7 +438,8 @@ def main(argv: list[str]) -> None:
     errors.report('--workdir is required (checkpoints and metrics go there).', errors.EXIT_USAGE)
   with errors.one_line():  # one spelling per place; a mistyped URL never becomes a folder
     workdir = storage.canonical(FLAGS.workdir, '--workdir')
-  with errors.one_line(storage.join(workdir, 'error.log'), append=storage.append, restartable=(
+  with peers.exits(), errors.one_line(  # peers: a lost process is one line too
+      storage.join(workdir, 'error.log'), append=storage.append, restartable=(
       storage.StorageError, checkpoint.CheckpointReadError, checkpoint.CheckpointSaveError)):
     sharding.init_distributed_from_flags()
     train(FLAGS.config, workdir, FLAGS.sample_tokens)

@@ -30,10 +30,12 @@ seconds, not paused, makes the launcher kill the trainer's whole process group
 (SIGKILL) and restart it like a crash. So a --stall_timeout shorter than a
 compile does not kill a trainer that is compiling.
 
-A process of a multi-process run that dies makes the others abort (SIGABRT,
-restarted like any signal death); the trainer's stderr passes through the
-launcher, which reads the lost process's number from jax.distributed's own log
-lines and says it in one `error:` line.
+A process of a multi-process run that dies makes train.py's other processes
+stop with one `error:` line naming it and exit 1 (peers.py), restarted like a
+crash. A trainer that aborts instead (SIGABRT: a bare jax.distributed client) is
+restarted like any signal death; its stderr passes through the launcher, which
+reads the lost process's number from jax.distributed's own log lines and says
+it in one `error:` line.
 
 The trainer runs in its own session (process group), so the watchdog reaches
 its children too, and whatever it leaves behind when it exits is killed
@@ -161,6 +163,7 @@ class _Relay:
 
   def __init__(self, stream):
     self.lost: list[int] = []
+    self.said = False  # the trainer printed its own `error:` line (train.py names a lost peer)
     self.thread = threading.Thread(target=self._copy, args=(stream,), name='trainer-stderr',
                                    daemon=True)
     self.thread.start()
@@ -174,6 +177,7 @@ class _Relay:
         out.flush()
       else:  # a text-only stderr (a test's capture)
         sys.stderr.write(line.decode(errors='replace'))
+      self.said = self.said or line.startswith(b'error:')
       if b'tasks are unhealthy' in line:  # the task ids follow, one a line
         listing = True
         continue
@@ -214,6 +218,7 @@ class Launcher:
     self.ckpt_dir = storage.join(workdir, 'checkpoints')
     self.child: subprocess.Popen | None = None
     self.lost: list[int] = []  # processes the trainer's last attempt reported lost
+    self.lost_said = False  # ... and whether the trainer said so in its own `error:` line
     self.stopping = 0  # the SIGTERM or SIGINT the launcher received, once it has one
     self._passed_to: subprocess.Popen | None = None  # the trainer that got it
     # Every host's launcher appends to the same shared log, and pids repeat across hosts.
@@ -325,7 +330,7 @@ class Launcher:
       stalled = self._wait(attempt, heartbeat)
       rc = self.child.wait()  # it has exited, or its process group was SIGKILLed
       relay.thread.join(10)
-      self.lost = relay.lost
+      self.lost, self.lost_said = relay.lost, relay.said
     finally:
       for path in (heartbeat, f'{heartbeat}.tmp') if heartbeat is not None else ():
         if os.path.exists(path):  # .tmp: the trainer's next content, if it died writing it
@@ -372,10 +377,12 @@ class Launcher:
       exit_code = rc if rc > 0 else 128 - rc
       if self.lost and not stalled:
         lost = ', '.join(str(i) for i in self.lost)
-        print(f'error: process {lost} of this multi-process run was lost (jax.distributed\'s '
-              'coordination service stopped hearing from it: its host died, was preempted or '
-              f'was replaced), so this process aborted ({describe(rc)}); every process of the '
-              'run restarts from the last committed checkpoint.', file=sys.stderr, flush=True)
+        if not self.lost_said:  # a trainer that aborted in jax (train.py says it itself)
+          print(f'error: process {lost} of this multi-process run was lost (jax.distributed\'s '
+                'coordination service stopped hearing from it: its host died, was preempted '
+                f'or was replaced), so this process aborted ({describe(rc)}); every process of '
+                'the run restarts from the last committed checkpoint.', file=sys.stderr,
+                flush=True)
         what = f'{what}: process {lost} of the run was lost'
       if not stalled and rc not in errors.RESTARTABLE and signal_of(rc) is None:
         self.log(f'attempt {attempt}: trainer {what}; not restarting (a rerun of the same '
