@@ -23,6 +23,18 @@ import events
 import model
 import storage
 
+# Keys whose values are wall-clock measurements: two runs of the same steps differ in
+# them, and in nothing else (docs/monitoring.md, "Wall-clock keys"), so a comparison of
+# two runs' records skips them.
+WALL_CLOCK_PREFIXES = ('time/', 'goodput/')  # goodput.py's account: seconds and shares
+WALL_CLOCK_KEYS = ('throughput/device/TPS', 'throughput/device/MFU')
+
+
+def wall_clock(key: str) -> bool:
+  """Whether a record's `key` is a wall-clock measurement ('... (s)' ones included)."""
+  return key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_KEYS or key.endswith('(s)')
+
+
 # --- Peak FLOP/s and MFU ----------------------------------------------------------------
 
 # Dense bf16 peak FLOP/s per device as JAX names the device kind (vendor spec

@@ -337,3 +337,28 @@ def test_the_collector_waits_for_the_first_step(tmp_path, main):
   assert before == [0], out.stderr[-2000:]  # not one collection before the first step
   assert enabled and total > 0  # on again, and collecting, for the rest of the run
   assert frozen > 100_000  # the start-up's survivors out of the collector's sight
+
+
+@pytest.mark.slow  # two train.py processes
+def test_two_runs_differ_only_in_wall_clock_keys_which_the_docs_name(tmp_path):
+  """Two runs of the same steps replay every value of metrics.jsonl bit for bit but the
+  wall-clock ones: metrics.wall_clock (what the project's equality checks skip) must name
+  every key that differs, `goodput/time to first step (s)` at step 1 among them, and
+  docs/monitoring.md list each (or its `goodput/` family) with the timing keys."""
+  import metrics  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from test_multihost import metrics as per_step, run_train
+  runs = []
+  for name in ('a', 'b'):
+    run_train(tmp_path / name, 3, 3, devices=1)
+    runs.append(per_step(tmp_path / name))  # each step's records, merged
+  assert 'goodput/time to first step (s)' in runs[0][1]
+  differ = {k for step in runs[0] for k in runs[0][step].keys() | runs[1][step].keys()
+            if runs[0][step].get(k) != runs[1][step].get(k)}
+  assert 'train/CE loss' not in differ and 'goodput/time to first step (s)' in differ, differ
+  assert all(metrics.wall_clock(k) for k in differ), differ
+  assert not metrics.wall_clock('train/CE loss') and not metrics.wall_clock('optim/LR')
+  doc = (REPO / 'docs' / 'monitoring.md').read_text()
+  timing = doc[doc.index('## Wall-clock keys'):].split('\n## ')[0]
+  for key in differ:
+    assert f'`{key}`' in timing or f'`{key.split("/")[0]}/`' in timing, key

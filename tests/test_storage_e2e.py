@@ -157,12 +157,9 @@ def assert_arrays_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> N
 
 
 def untimed(records: list[dict]) -> list[dict]:
-  """Records without their wall-clock fields (test_train.timed, and any other 'time/...' or
-  '... (s)', e.g. the in-loop downstream evaluation's duration); a record of goodput
-  alone is dropped whole."""
-  def timing(k: str) -> bool:
-    return timed(k) or k.startswith('time/') or k.endswith('(s)')
-  untimed = [{k: v for k, v in r.items() if not timing(k)} for r in records]
+  """Records without their wall-clock fields (metrics.wall_clock: 'time/...', '... (s)',
+  'goodput/...'); a record of goodput alone is dropped whole."""
+  untimed = [{k: v for k, v in r.items() if not timed(k)} for r in records]
   return [r for r in untimed if set(r) != {'step'}]
 
 

@@ -34,6 +34,7 @@ import sharding
 from configs import small
 import batches
 import data
+from metrics import wall_clock
 import model
 import optim
 import train
@@ -47,14 +48,9 @@ VOCAB = 256
 WANDB_NAMES = ('train/CE loss', 'train/Z loss', 'train/PPL', 'optim/LR', 'optim/total grad norm',
                'optim/step skipped', 'throughput/total tokens', 'throughput/device/TPS',
                'throughput/device/MFU')
-# Wall-clock fields: everything else in a record must replay bit for bit.
-TIMING = ('throughput/device/TPS', 'throughput/device/MFU', 'time/step', 'time/data wait',
-          'eval/lm/time (s)', 'eval/downstream/time (s)')
-
-
-def timed(key: str) -> bool:
-  """A wall-clock field: TIMING, or the goodput account (goodput.py: seconds and shares)."""
-  return key in TIMING or key.startswith('goodput/')
+# Wall-clock fields (the goodput account among them): everything else in a record must
+# replay bit for bit.
+timed = wall_clock
 
 OVERRIDES = {  # configs/small.py -> tiny; also passed to subprocesses as --config.* flags
     'model.vocab_size': VOCAB, 'model.num_layers': 2, 'model.layer_pattern': 'SF',
