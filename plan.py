@@ -1,8 +1,19 @@
 """Ahead-of-time planning: will this config's train step fit, and how much work is it?
 
+    python plan.py --config=configs/olmo3_7b.py --topology=v5e:16x16   # the TPU's compiler
     python plan.py --config=configs/olmo3_7b.py --devices=8 [--target_devices=512]
         [--platform=tpu|gpu|cpu] [--chip=v5p]
     python plan.py --config=configs/small.py     # the defaults below: 1 device, cpu
+
+--topology names a TPU slice as libtpu does (v4:2x2x2, v5e:16x16, v5p:4x4x8,
+v6e:8x8, tpu7x:2x2x1). Where libtpu is installed (`pip install
+'libtpu==0.0.42.*'`, part of the test extra; no TPU needed) the real train
+step, Pallas kernels included, is compiled by the TPU's own compiler for that
+slice's devices, and its `memory_analysis()` is the report: per-device memory
+as the pod will allocate it, no stand-in and no extrapolation. A step that
+does not fit the chip's HBM fails that compile; the report says so and by how
+much. Without libtpu --topology falls back to the CPU compile below,
+extrapolated to the slice's device count, and says so.
 
 Without --devices it compiles for the most devices up to 8 that the config's
 batch splits over (data.global_batch_size into train.micro_batch_size rows
@@ -40,7 +51,11 @@ like the state), then evaluated at the target's FSDP size.
 Shapes: B global batch, T sequence.
 """
 
+import contextlib
 import dataclasses
+import importlib.metadata
+import os
+import re
 import time
 from typing import Any
 
@@ -62,10 +77,29 @@ import optim
 import sharding
 import train
 
-# Per-device memory (decimal GB, vendor spec sheets): TPU v5p 95 GB HBM2e,
-# v6e (Trillium) 32 GB, TPU7x (Ironwood) 192 GB, H100 SXM 80 GB, H200 141 GB.
-BUDGETS_GB = {'TPU v5p': 95, 'TPU v6e': 32, 'TPU7x': 192, 'H100': 80, 'H200': 141}
+# Per-device memory (decimal GB, vendor spec sheets): TPU v4 32 GB HBM2, v5e 16 GB,
+# v5p 95 GB HBM2e, v6e (Trillium) 32 GB, TPU7x (Ironwood) 192 GB per chip = 96 per
+# device (two TensorCores, two jax devices), H100 SXM 80 GB, H200 141 GB.
+BUDGETS_GB = {'TPU v4': 32, 'TPU v5e': 16, 'TPU v5p': 95, 'TPU v6e': 32, 'TPU7x': 96,
+              'H100': 80, 'H200': 141}
 GB = 1e9
+
+# --topology generations: libtpu's name -> (chip config, the chip in kernels' block
+# table, BUDGETS_GB entry). v4 and v5p run 'megacore': one jax device per chip.
+TPU_GENERATIONS = {
+    'v4': ('megacore', 'v4', 'TPU v4'),
+    'v5e': ('default', 'v5e', 'TPU v5e'),
+    'v5p': ('megacore', 'v5p', 'TPU v5p'),
+    'v5': ('megacore', 'v5p', 'TPU v5p'),  # libtpu's older name for v5p
+    'v6e': ('default', 'v6e', 'TPU v6e'),
+    'tpu7x': ('default', '7x', 'TPU7x'),
+}
+# libtpu reads these at load: kernels.xla's placeholders for a host without a TPU VM's
+# metadata server, and ALLOW_MULTIPLE_LIBTPU_LOAD. Without it a second process loading
+# libtpu at the same moment (parallel test workers, two planners) fails on
+# /tmp/libtpu_lockfile, a lock that guards TPU chips, which a compile for a described
+# slice never opens (tests/test_tpu_compile.py). Values already set win.
+_LIBTPU_ENV = {**kernels.xla.LIBTPU_PLACEHOLDERS, 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 
 @dataclasses.dataclass
@@ -79,6 +113,8 @@ class Compiled:
   alias: int
   temp: int
   seconds: float
+  out_of_memory: str = ''  # the TPU compiler's refusal, when the step does not fit its HBM
+  kernels: tuple[str, ...] = ()  # Pallas kernels in the step compiled for TPU devices
 
 
 @dataclasses.dataclass
@@ -100,6 +136,12 @@ class Plan:
   attention: str  # the impl the target platform runs, and why
   tpu_kernels: tuple[str, ...] = ()  # Pallas kernels found in the step lowered for the TPU
   warning: str = ''
+  compiler: str = 'cpu'  # 'cpu' (simulated devices) or 'tpu' (libtpu, a named topology)
+  topology: str = ''
+
+  @property
+  def out_of_memory(self) -> str:
+    return next((c.out_of_memory for c in self.compiles if c.out_of_memory), '')
 
   def fits(self, budget_gb: float) -> bool:
     return self.peak_bytes <= budget_gb * GB
@@ -118,14 +160,81 @@ def compile_config(cfg: ml_collections.ConfigDict, platform: str
 
 
 def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled:
-  """AOT-compiles the real train step on `devices` and reads its memory analysis."""
+  """AOT-compiles the real train step on `devices` and reads its memory analysis.
+
+  On a named topology's TPU devices libtpu compiles it, and a step too big for
+  the chip's HBM comes back with `out_of_memory` set instead of raising.
+  """
   start = time.perf_counter()
   mesh = sharding.make_mesh(cfg.train, devices)
-  step, state, batch, accum = _abstract_step(cfg, mesh)
-  memory = step.lower(state, batch).compile().memory_analysis()
+  on_tpu = devices[0].platform == 'tpu'
+  # On the TPU's devices the kernels must see the chip they are compiled for
+  # (pltpu.is_tpu_device, block sizes), not this machine's CPU backend.
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if on_tpu else contextlib.nullcontext():
+    step, state, batch, accum = _abstract_step(cfg, mesh)
+    lowered = step.lower(state, batch)
+  found = _pallas_kernels(lowered.as_text()) if on_tpu else ()
+  cache = jax.config.jax_enable_compilation_cache
+  try:
+    # An executable for a described slice cannot be loaded back without its chips: keep
+    # it out of the persistent compilation cache (which would warn on every later read).
+    jax.config.update('jax_enable_compilation_cache', cache and not on_tpu)
+    memory = lowered.compile().memory_analysis()
+  except jax.errors.JaxRuntimeError as e:
+    if not (on_tpu and 'RESOURCE_EXHAUSTED' in str(e)):
+      raise
+    need = re.search(r'\(([\d.]+)G\) exceeds available HBM', str(e))
+    peak = int(float(need.group(1)) * 2**30) if need else 0
+    return Compiled(len(devices), dict(mesh.shape), accum, 0, 0, 0, peak,
+                    time.perf_counter() - start, str(e).splitlines()[0], found)
+  finally:
+    jax.config.update('jax_enable_compilation_cache', cache)
   return Compiled(len(devices), dict(mesh.shape), accum, memory.argument_size_in_bytes,
                   memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                  memory.temp_size_in_bytes, time.perf_counter() - start)
+                  memory.temp_size_in_bytes, time.perf_counter() - start, '', found)
+
+
+def _pallas_kernels(hlo_text: str) -> tuple[str, ...]:
+  names = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
+  return tuple(n for n in names if n in hlo_text)
+
+
+def libtpu_version() -> str | None:
+  """The installed libtpu's version, or None (then --topology falls back to the CPU)."""
+  try:
+    return importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
+  """('v5e', (16, 16)) from 'v5e:16x16'; a ValueError naming the fix otherwise."""
+  gen, _, dims = name.partition(':')
+  if gen not in TPU_GENERATIONS or not re.fullmatch(r'\d+(x\d+){1,2}', dims):
+    raise ValueError(f'--topology={name!r} is not a TPU slice name: write GENERATION:AxB or '
+                     f'AxBxC, with GENERATION one of {sorted(TPU_GENERATIONS)} (e.g. '
+                     'v5e:16x16, v5p:4x4x8).')
+  shape = tuple(int(d) for d in dims.split('x'))
+  if min(shape) < 1:
+    raise ValueError(f'--topology={name!r} has an empty dimension.')
+  return gen, shape
+
+
+def tpu_devices(name: str) -> list[Any]:
+  """The devices of TPU slice `name`, as libtpu describes them (no TPU needed)."""
+  gen, shape = parse_topology(name)
+  for key, value in _LIBTPU_ENV.items():
+    os.environ.setdefault(key, value)
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  # Hosts hold 2x2 chips (one chip for a 1x1 slice); the layout only names the hosts.
+  per_host = tuple(min(d, 2) for d in shape[:2]) + (1,)
+  try:
+    return topologies.get_topology_desc(
+        platform='tpu', topology_name=name, chip_config_name=TPU_GENERATIONS[gen][0],
+        chips_per_host_bounds=per_host, num_slices=1).devices
+  except jax.errors.JaxRuntimeError as e:
+    raise ValueError(f'libtpu cannot describe --topology={name!r}: '
+                     f'{str(e).splitlines()[0]}') from None
 
 
 def _abstract_step(cfg: ml_collections.ConfigDict, mesh: Mesh | AbstractMesh):
@@ -186,8 +295,7 @@ def tpu_kernels_in_step(cfg: ml_collections.ConfigDict, chip: str, shape: dict[s
   with jax.sharding.use_abstract_mesh(mesh):
     step, state, batch, _ = _abstract_step(cfg, mesh)
     text = step.trace(state, batch).lower(lowering_platforms=('tpu',)).as_text()
-  names = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
-  return tuple(n for n in names if n in text)
+  return _pallas_kernels(text)
 
 
 def _scaling_axis(cfg_train: ml_collections.ConfigDict) -> str:
@@ -207,6 +315,34 @@ def extrapolate_temp(a: Compiled, b: Compiled, fsdp: int) -> int:
   c1 = (a.temp - b.temp) / (x_a - x_b)
   c0 = a.temp - c1 * x_a
   return int(round(c0 + c1 / fsdp))
+
+
+def batch_bytes(cfg: ml_collections.ConfigDict, shape: dict[str, int]) -> int:
+  """Per-device bytes of one step's batch on a mesh of `shape`."""
+  B, T = cfg.data.global_batch_size, cfg.data.seq_len
+  int32_rows = 3 if cfg.data.document_masking else 2  # tokens, labels (, segment ids)
+  return (int32_rows * 4 * T + 1) * B // (shape['data'] * shape['fsdp'])  # + the bool mask
+
+
+def tpu_plan(cfg: ml_collections.ConfigDict, topology: str) -> Plan:
+  """The plan from libtpu's own compile of the train step for `topology`'s devices."""
+  config_checks.validate(config_checks.complete(cfg))
+  devices = tpu_devices(topology)
+  shape = sharding.mesh_shape(cfg.train, len(devices))
+  impl, why = kernels.resolve(cfg.model, 'tpu', segments=cfg.data.document_masking)
+  compiled_cfg = cfg.copy_and_resolve_references()
+  compiled_cfg.model.attention_impl = impl
+  c = compile_step(compiled_cfg, devices)
+  params_bytes, opt_bytes = sharding.state_bytes(
+      train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), shape)
+  # Outputs alias the donated state: the peak is the arguments, the outputs that
+  # alias nothing (the step's metrics) and the temporaries, as libtpu counts them.
+  peak = c.temp if c.out_of_memory else c.argument + c.output - c.alias + c.temp
+  flops_token = model.flops_per_token(cfg.model, cfg.data.seq_len)
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  return Plan(model.param_count(cfg.model), flops_token, flops_token * tokens, len(devices),
+              shape, params_bytes, opt_bytes, batch_bytes(cfg, shape), c.temp, peak, False,
+              [c], 'tpu', f'{impl} ({why})', c.kernels, compiler='tpu', topology=topology)
 
 
 def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
@@ -252,14 +388,12 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
   params_bytes, opt_bytes = sharding.state_bytes(
       train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), target_shape)
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  batch_shards = target_shape['data'] * target_shape['fsdp']
-  int32_rows = 3 if cfg.data.document_masking else 2  # tokens, labels (, segment ids)
-  batch_bytes = (int32_rows * 4 * T + 1) * B // batch_shards  # + the bool mask
+  batch = batch_bytes(cfg, target_shape)
   flops_token = model.flops_per_token(cfg.model, T)
   # Outputs alias the donated state, so the peak is arguments plus temporaries.
   return Plan(model.param_count(cfg.model), flops_token, flops_token * B * T, target,
-              target_shape, params_bytes, opt_bytes, batch_bytes, temp,
-              params_bytes + opt_bytes + batch_bytes + temp, target != len(devices), compiles,
+              target_shape, params_bytes, opt_bytes, batch, temp,
+              params_bytes + opt_bytes + batch + temp, target != len(devices), compiles,
               platform, attention, tpu_kernels, warning)
 
 
@@ -276,11 +410,26 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
       f'FLOPs       {p.flops_per_token / 1e9:.2f} GFLOP/token, {p.flops_per_step / 1e15:.1f} '
       f'PFLOP/step, {p.flops_per_step / p.target_devices / 1e12:.1f} TFLOP/step/device',
   ]
+  if p.compiler == 'tpu':
+    lines.append(f'compiler    TPU: libtpu {libtpu_version()} compiled the step for {p.topology}, '
+                 'kernels included; memory as the pod allocates it, no extrapolation')
+  else:
+    lines.append('compiler    CPU: simulated devices' + (
+        ', temp extrapolated' if p.temp_extrapolated else '') + ' (--topology with libtpu '
+        "installed plans with the TPU's own compiler)")
   for c in p.compiles:
+    if c.out_of_memory:
+      lines.append(f'compiled    {c.devices} devices, mesh {c.mesh_shape}, {c.accum} '
+                   f'micro-batches: DOES NOT FIT the chip ({c.seconds:.0f} s): {c.out_of_memory}')
+      continue
     lines.append(f'compiled    {c.devices} devices, mesh {c.mesh_shape}, {c.accum} micro-batches: '
                  f'arguments {c.argument / GB:.2f} GB, temp {c.temp / GB:.2f} GB/device '
                  f'({c.seconds:.0f} s)')
-  how = ('fit a + b/fsdp through the two compiles' if p.temp_extrapolated else 'compiled')
+  how = ('fit a + b/fsdp through the two compiles' if p.temp_extrapolated else
+         "the TPU compiler's" if p.compiler == 'tpu' else 'compiled')
+  if p.out_of_memory:
+    how = 'all the TPU compiler said the step needs'
+
   lines += [
       f'target      {p.target_devices} devices, mesh {p.target_mesh}',
       f'  params     {p.params_bytes / GB:8.2f} GB/device (float32, exact)',
@@ -288,15 +437,16 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
       f'  batch      {p.batch_bytes / 1e6:8.2f} MB/device (tokens, labels, mask)',
       f'  temp       {p.temp_bytes / GB:8.2f} GB/device (activations, gathered weights, grads; '
       f'{how})',
-      f'  peak       {p.peak_bytes / GB:8.2f} GB/device',
+      f'  peak       {p.peak_bytes / GB:8.2f} GB/device' + (
+          ' (arguments + unaliased outputs + temp, from libtpu)' if p.compiler == 'tpu' else ''),
   ]
   lines.append(f'attention   {p.platform}: {p.attention}')
-  if p.compiles and p.attention.split()[0] in ('pallas', 'cudnn'):
+  if p.compiler == 'cpu' and p.attention.split()[0] in ('pallas', 'cudnn'):
     lines.append('  the CPU compile used an O(T)-memory stand-in for that kernel '
                  "(attention_impl='flash_stand_in')")
   if p.platform == 'tpu' and p.attention.startswith('pallas'):
-    lines.append(f"  lowered for the TPU: {', '.join(p.tpu_kernels) or 'NO Pallas kernel'} "
-                 'in the train step')
+    how = 'compiled by libtpu' if p.compiler == 'tpu' else 'lowered for the TPU'
+    lines.append(f"  {how}: {', '.join(p.tpu_kernels) or 'NO Pallas kernel'} in the train step")
   if p.warning:
     lines.append(f'  WARNING: {p.warning}')
   for name, budget in BUDGETS_GB.items():
@@ -305,12 +455,18 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
   return '\n'.join(lines)
 
 
-def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
-           **kwargs) -> Plan:
-  """Plans, prints the report and returns the Plan."""
-  p = make_plan(cfg, target_devices, **kwargs)
+def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
+           topology: str = '', **kwargs) -> Plan:
+  """Plans (with libtpu for a `topology`), prints the report and returns the Plan."""
+  p = tpu_plan(cfg, topology) if topology else make_plan(cfg, target_devices, **kwargs)
   print(format_plan(cfg, p), flush=True)
   return p
+
+
+def topology_devices(name: str) -> int:
+  """How many jax devices slice `name` has (two per TPU7x chip, one per other chip)."""
+  gen, shape = parse_topology(name)
+  return int(np.prod(shape)) * (2 if gen == 'tpu7x' else 1)
 
 
 def main(argv: list[str]) -> None:
@@ -321,6 +477,8 @@ def main(argv: list[str]) -> None:
     errors.report('--devices must be >= 1 and --target_devices >= 0.', errors.EXIT_USAGE)
   with errors.one_line(also=(ValueError,)):  # the config and mesh checks: one line, exit 2
     cfg = FLAGS.config
+    if FLAGS.topology and _plan_topology(cfg):
+      return
     devices = FLAGS.devices or default_devices(cfg)
     platform, why = (FLAGS.platform, '') if FLAGS.platform else default_platform(cfg)
     chosen = '' if FLAGS.devices else ' (default: the most, up to 8, the batch splits over)'
@@ -334,6 +492,25 @@ def main(argv: list[str]) -> None:
     jax.config.update('jax_num_cpu_devices', 2 * devices)
     report(cfg, FLAGS.target_devices or None, platform=platform, chip=FLAGS.chip,
            devices=jax.devices()[:devices])
+
+
+def _plan_topology(cfg: ml_collections.ConfigDict) -> bool:
+  """--topology: plans with libtpu (True), or sets the CPU fallback's flags (False)."""
+  gen, _ = parse_topology(FLAGS.topology)
+  if FLAGS.target_devices or FLAGS.platform not in (None, 'tpu'):
+    raise ValueError('--topology names the devices and the platform; drop --target_devices '
+                     'and --platform.')
+  version = libtpu_version()
+  if version:
+    print(f'planning for {FLAGS.topology} with the TPU compiler (libtpu {version})', flush=True)
+    jax.config.update('jax_platforms', 'cpu')  # libtpu compiles; no TPU is opened
+    report(cfg, topology=FLAGS.topology)
+    return True
+  print(f'libtpu is not installed: planning {FLAGS.topology} from a CPU compile, '
+        "extrapolated (pip install 'libtpu==0.0.42.*' for the TPU compiler)", flush=True)
+  FLAGS.target_devices = topology_devices(FLAGS.topology)
+  FLAGS.platform, FLAGS.chip = 'tpu', TPU_GENERATIONS[gen][1]
+  return False
 
 
 
@@ -350,6 +527,10 @@ if __name__ == '__main__':
                     "the TPU flash kernel cannot take).")
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
+  flags.DEFINE_string('topology', '', 'A TPU slice, as libtpu names it (v5e:16x16, v5p:4x4x8, '
+                      'v6e:8x8, v4:2x2x2, tpu7x:2x2x1): the step is compiled for its devices by '
+                      'the TPU compiler where libtpu is installed, else planned by the CPU '
+                      'compile, extrapolated to its device count.')
   FLAGS = flags.FLAGS
   app.run(main, flags_parser=config_checks.parser_requiring_config(  # mistakes in one line
       'the training config to plan, e.g. --config=configs/olmo3_7b.py (with any '

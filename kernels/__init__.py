@@ -43,6 +43,10 @@ from kernels.flash_attention import TPU_DEVICE_KINDS
 
 IMPLS = ('auto', 'xla', 'pallas', 'cudnn', 'flash_stand_in')
 
+# Every entry point that starts a backend imports this package (through model.py) first:
+# where libtpu is installed on a host without TPU chips, its warnings are kept quiet.
+xla.quiet_libtpu()
+
 
 class Ops(NamedTuple):
   """What one block calls: matmul(x, w) and attention(q, k, v, *, window, segment_ids_BT)."""

@@ -57,6 +57,8 @@ class BlockSizes(NamedTuple):
 # - 'interpret' is used off-TPU (CPU tests in interpret mode): the smallest
 #   legal blocks, so short test sequences still span several blocks.
 _BLOCK_TABLE: dict[tuple[str, int], BlockSizes] = {
+    ('v4', 128): BlockSizes(512, 512),
+    ('v4', 256): BlockSizes(512, 512),
     ('v5e', 128): BlockSizes(512, 512),
     ('v5e', 256): BlockSizes(512, 512),
     ('v5p', 128): BlockSizes(512, 512),
@@ -73,6 +75,7 @@ _BLOCK_TABLE: dict[tuple[str, int], BlockSizes] = {
 # VMEM (pltpu.get_tpu_info_for_chip: v5e/v6e 128 MiB, v5p/7x 64 MiB), above
 # what the table's entries need, leaving room for larger blocks from config.
 _VMEM_LIMIT_BYTES: dict[str, int] = {
+    'v4': 14 << 20,  # 16 MiB per core: Q=C=512 at K=256 needs about 10 MiB (see above)
     'v5e': 64 << 20,
     'v5p': 32 << 20,
     'v6e': 64 << 20,
@@ -82,6 +85,7 @@ _VMEM_LIMIT_BYTES: dict[str, int] = {
 # Abstract-device descriptions of the table's chips (device_kind, TensorCores
 # per jax device), used to lower the kernels for a chip without having one.
 TPU_DEVICE_KINDS: dict[str, tuple[str, int]] = {
+    'v4': ('TPU v4', 2),  # megacore, as v5p
     'v5e': ('TPU v5 lite', 1),
     'v5p': ('TPU v5p', 2),  # megacore: one jax device spans both TensorCores
     'v6e': ('TPU v6 lite', 1),

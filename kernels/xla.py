@@ -17,6 +17,8 @@ Shapes: B batch, T queries, S keys, H query heads, G kv heads, R = H // G,
 K head_dim, I/O a matmul's input/output features.
 """
 
+import glob
+import importlib.util
 import os
 
 import jax
@@ -30,14 +32,43 @@ import jax.numpy as jnp
 CPU_FLAGS = ('--xla_cpu_enable_concurrency_optimized_scheduler=false',)
 
 
+# libtpu installed on a machine without TPU chips (a CPU machine with the test extra, a
+# host that plans pods with plan.py --topology) asks a TPU VM's metadata server for the
+# slice it is on when it loads, and prints three lines of warnings when none answers.
+# These placeholders answer for it; a TPU VM's own values win.
+LIBTPU_PLACEHOLDERS = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost'}
+_GOOGLE_PCI_VENDOR = '0x1ae0'  # TPU chips are PCI devices of their host
+
+
 def set_cpu_flags() -> None:
   """Adds CPU_FLAGS to XLA_FLAGS where it does not set them already (an XLA_FLAGS that
-  does wins). XLA reads its flags when the backend starts, so the entry points
-  (train.py, plan.py, eval.py, bench/) call this first; importing changes nothing."""
+  does wins), and quiets libtpu where it is installed on a machine without TPU chips.
+  Both are read when a backend starts, so the entry points (train.py, plan.py, bench/)
+  call this first; importing changes nothing."""
   current = os.environ.get('XLA_FLAGS', '')
   missing = [f for f in CPU_FLAGS if f.split('=')[0] not in current]
   if missing:
     os.environ['XLA_FLAGS'] = ' '.join([current, *missing]).strip()
+  quiet_libtpu()
+
+
+def quiet_libtpu() -> None:
+  """Sets LIBTPU_PLACEHOLDERS where libtpu is installed and this host has no TPU chips."""
+  if importlib.util.find_spec('libtpu') and not has_tpu_chips():
+    for key, value in LIBTPU_PLACEHOLDERS.items():
+      os.environ.setdefault(key, value)
+
+
+def has_tpu_chips() -> bool:
+  """Whether this host has TPU chips (Google's PCI vendor id among its devices)."""
+  for path in glob.glob('/sys/bus/pci/devices/*/vendor'):
+    try:
+      with open(path) as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
 
 
 @jax.custom_vjp

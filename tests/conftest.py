@@ -23,6 +23,11 @@ import jax  # noqa: E402  (must follow the XLA_FLAGS line)
 import pytest  # noqa: E402
 
 import zygote  # noqa: E402
+from kernels import xla  # noqa: E402
+
+# The test extra installs libtpu (tests/test_tpu_compile.py); on this TPU-less machine it
+# would print its metadata-server warnings in every process that starts a backend.
+xla.quiet_libtpu()
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 # Tracing makes objects by the hundred thousand and frees them by reference count; at

@@ -1,0 +1,204 @@
+"""The 7B on TPU pods, planned by the TPU's own compiler (libtpu, no chip needed).
+
+    python bench/plan_pods.py                      # every row below (about an hour on 2 cores)
+    python bench/plan_pods.py --rows=stage1_v5e    # one group: stage1_v5e, remat,
+                                                   # stage3, cpu_vs_tpu, slice
+    python bench/plan_pods.py --breakdown          # + the temporaries term by term
+
+Each row compiles the real train step (plan.tpu_plan: Pallas kernels, the
+config's mesh and micro-batches) for a named slice and prints libtpu's
+per-device memory: arguments (the sharded fp32 state and the batch) and the
+temporaries, the peak, and whether it stays under --limit_gb (15 GB: a v5e's
+16 GB less headroom for the runtime). A step too big for the chip fails
+libtpu's compile; the row says so with the compiler's own figure.
+
+cpu_vs_tpu puts the CPU planner (a compile on simulated CPU devices, temp
+extrapolated as a + b/fsdp) beside libtpu's compile of the same step at two pod
+sizes; slice does the same for bench/device_check.py's one-chip slice.
+
+--breakdown reads XLA's live ranges of the compile (XLA_FLAGS --xla_dump_to):
+every buffer live at the step's peak, sorted by name and shape into the state
+(parameters, Adam moments), saved activations, gathered layer weights, logits
+and the loss, and sharded fp32 buffers (the gradient accumulator, the update's
+temporaries). The live buffers sum to less than arguments + temp: the temp
+allocation also holds what is live at other moments, and fragmentation.
+"""
+
+import argparse
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GB = 1e9
+
+
+def _config(name: str, **overrides):
+  import config_checks  # pylint: disable=import-outside-toplevel
+  from configs import olmo3_7b, olmo3_7b_hd256, olmo3_7b_stage3  # pylint: disable=import-outside-toplevel
+  module = {'stage1': olmo3_7b, 'hd256': olmo3_7b_hd256, 'stage3': olmo3_7b_stage3}[name]
+  cfg = module.get_config()
+  for key, value in overrides.items():
+    section, field = key.split('.')
+    cfg[section][field] = value
+  return config_checks.complete(cfg)
+
+
+def slice_overrides(layers: int = 2, vocab: int = 8192) -> dict:
+  """bench/device_check.py's one-chip slice: 2 layers ('SF'), vocab 8192, 1 x 8192."""
+  return {'model.num_layers': layers, 'model.layer_pattern': 'SF', 'model.vocab_size': vocab,
+          'data.vocab_size': vocab, 'data.eos_token_id': 0, 'data.pad_token_id': 1,
+          'data.global_batch_size': 1, 'train.micro_batch_size': 1}
+
+
+# name -> [(label, config, topology, overrides)]
+ROWS = {
+    'stage1_v5e': [(f'stage 1, v5e:{t}', 'stage1', f'v5e:{t}', {})
+                   for t in ('4x4', '4x8', '8x8', '16x16')],
+    'remat': [(f'stage 1, v5e:16x16, micro-batch {mb}, remat {remat}', 'stage1', 'v5e:16x16',
+               {'train.micro_batch_size': mb, 'model.remat': remat})
+              for mb, remat in ((2, 'full'), (1, 'save_qkv_attn'), (2, 'save_qkv_attn'),
+                                (1, 'save_proj'), (2, 'save_proj'), (1, 'save_dots'),
+                                (1, 'none'))],
+    'stage3': [(f'stage 3, {t}', 'stage3', t, {})
+               for t in ('v5e:4x4', 'v5e:4x8', 'v5p:2x2x2', 'v6e:2x4', 'v6e:4x4')],
+    'cpu_vs_tpu': [(f'stage 1, v5e:{t}', 'stage1', f'v5e:{t}', {}) for t in ('4x8', '16x16')],
+    'slice': [('one-chip slice (2 layers, vocab 8192), v5e:1x1', 'stage1', 'v5e:1x1',
+               slice_overrides())],
+}
+
+
+def _dims(shape: str) -> list[tuple[int, ...]]:
+  return [tuple(int(x) for x in s.split(',') if x) for s in re.findall(r'\[([\d,]*)\]', shape)]
+
+
+def classify(name: str, shape: str, cfg) -> str:
+  """The term a buffer live at the peak belongs to, from its name and shape."""
+  m, d = cfg.model, cfg.data
+  if name.startswith('state_params'):
+    return 'parameters (fp32 master weights, sharded)'
+  if name.startswith('state_opt_state'):
+    return 'Adam moments mu, nu (fp32, sharded)'
+  if name.startswith('batch'):
+    return 'batch'
+  dims = _dims(shape)
+  if any(m.vocab_size in s and len(s) >= 2 and min(s) < m.d_model for s in dims):
+    return 'logits and loss (vocab-wide)'
+  if any(d.seq_len // cfg.train.mesh_context in s or d.seq_len in s for s in dims):
+    return 'activations (saved for the backward, and live)'
+  widths = (m.mlp_hidden, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.vocab_size)
+  if any(m.d_model in s and any(w in s for w in widths) for s in dims):
+    return 'gathered layer weights and their full-size gradients'
+  return 'sharded fp32 buffers (gradient accumulator, update temporaries) and other'
+
+
+def _element(shape: str, index: str) -> str:
+  """Element `index` of a tuple shape '(a, b, ...)'; the shape itself when not a tuple."""
+  if not index or not shape.startswith('('):
+    return shape
+  parts, depth, current = [], 0, ''
+  for ch in shape[1:-1]:
+    depth += ch in '([{' and 1 or (-1 if ch in ')]}' else 0)
+    if ch == ',' and depth == 0:
+      parts.append(current)
+      current = ''
+    else:
+      current += ch
+  parts.append(current)
+  return parts[int(index)].strip()
+
+
+def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], float]:
+  """(GB per term of the buffers live at the step's peak, the peak in GB), from XLA's
+  live-range dump of the compile and the optimized HLO's shapes."""
+  (live,) = glob.glob(os.path.join(dump_dir, '*jit_train_step*after_optimizations-live-range.txt'))
+  (hlo,) = glob.glob(os.path.join(dump_dir, '*jit_train_step*after_optimizations.txt'))
+  shapes = {}
+  for line in open(hlo):
+    match = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(', line)
+    if match:
+      shapes[match.group(1)] = match.group(2)
+  terms: dict[str, float] = {}
+  at_peak = False
+  for line in open(live):
+    if '(peak):' in line:
+      at_peak = True
+      continue
+    match = re.match(r'\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes', line)
+    if at_peak and not match:
+      break
+    if at_peak:
+      name, index, size = match.groups()
+      term = classify(name, _element(shapes.get(name, ''), index.split(',')[0]), cfg)
+      terms[term] = terms.get(term, 0.0) + int(size) / GB
+  return terms, sum(terms.values())
+
+
+def cpu_plan(cfg, target: int, devices: int = 8):
+  import plan  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  return plan.make_plan(cfg, target if target != devices else None, platform='tpu',
+                        chip='v5e', devices=jax.devices()[:devices])
+
+
+def run_row(label, name, topology, overrides, args) -> None:
+  import plan  # pylint: disable=import-outside-toplevel
+  cfg = _config(name, **overrides)
+  start = time.perf_counter()
+  p = plan.tpu_plan(cfg, topology)
+  (c,) = p.compiles
+  verdict = ('DOES NOT FIT the chip: ' + c.out_of_memory if c.out_of_memory else
+             f"{'fits' if p.peak_bytes <= args.limit_gb * GB else 'over'} {args.limit_gb:g} GB")
+  print(f'{label}: {c.devices} devices, mesh {c.mesh_shape}, {c.accum} micro-batches, '
+        f'arguments {c.argument / GB:.2f} GB, temp {c.temp / GB:.2f} GB, peak '
+        f'{p.peak_bytes / GB:.2f} GB/device; {verdict} '
+        f'({time.perf_counter() - start:.0f} s)', flush=True)
+  if args.breakdown and not c.out_of_memory:
+    terms, peak = breakdown(args.dump, cfg)
+    print(f'    live at the peak: {peak:.2f} GB', flush=True)
+    for term, gb in sorted(terms.items(), key=lambda kv: -kv[1]):
+      print(f'      {term:72s} {gb:6.2f} GB', flush=True)
+  if args.group in ('cpu_vs_tpu', 'slice'):
+    devices = 1 if args.group == 'slice' else 8
+    cpu = cpu_plan(cfg, c.devices, devices)
+    print(f'    CPU planner ({devices} simulated devices'
+          f"{', extrapolated' if cpu.temp_extrapolated else ''}): temp "
+          f'{cpu.temp_bytes / GB:.2f} GB, peak {cpu.peak_bytes / GB:.2f} GB/device = '
+          f'{cpu.peak_bytes / p.peak_bytes:.2f}x the TPU compile', flush=True)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--rows', default=','.join(ROWS), help=f'groups, of {sorted(ROWS)}')
+  p.add_argument('--limit_gb', type=float, default=15.0)
+  p.add_argument('--breakdown', action='store_true')
+  args = p.parse_args()
+  groups = args.rows.split(',')
+  unknown = set(groups) - set(ROWS)
+  if unknown:
+    p.error(f'--rows: unknown {sorted(unknown)}; choose from {sorted(ROWS)}')
+  args.dump = tempfile.mkdtemp(prefix='xla_dump_')
+  os.environ['XLA_FLAGS'] = (f'{os.environ.get("XLA_FLAGS", "")} --xla_dump_to={args.dump} '
+                             '--xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_pass_re=NONE').strip()
+  if 'cpu_vs_tpu' in groups:  # the CPU planner's 8 simulated devices (2 x 8 for its pair)
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=16'
+  import jax  # pylint: disable=import-outside-toplevel
+  import plan  # pylint: disable=import-outside-toplevel
+  jax.config.update('jax_platforms', 'cpu')
+  print(f'libtpu {plan.libtpu_version()}; load {os.getloadavg()[0]:.2f}', flush=True)
+  for group in groups:
+    args.group = group
+    for row in ROWS[group]:
+      for old in glob.glob(os.path.join(args.dump, '*')):
+        os.remove(old)
+      run_row(*row, args)
+  print(f'load {os.getloadavg()[0]:.2f}', flush=True)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,184 @@
+"""The TPU's own compiler, on this CPU machine: libtpu (the test extra installs it)
+compiles for a TPU slice that libtpu describes (plan.tpu_devices), no chip needed.
+
+What the Pallas-lowering tests in test_kernels.py cannot check, this does: Mosaic's
+compile inside libtpu (layouts, the kernels' VMEM fit at the block table's sizes),
+and XLA's TPU memory assignment of the whole train step. References: the state's
+bytes from sharding.state_bytes (tested against really allocated arrays in
+test_plan.py), a float formula for the batch, and libtpu's own HBM limit.
+
+libtpu guards the chips with /tmp/libtpu_lockfile, taken whenever the library loads:
+two xdist workers (or a worker and a plan.py child) loading it at once made one fail
+("Internal error when accessing libtpu multi-process lockfile"). plan.tpu_devices
+sets ALLOW_MULTIPLE_LIBTPU_LOAD, safe because a compile for a described slice never
+opens a chip; test_parallel_loads_share_the_lock runs that race on purpose.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import pytest
+
+import config_checks
+import kernels
+from kernels import xla
+import optim
+import plan
+import sharding
+import train
+from configs import small
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A small model the TPU kernel takes (head_dim 128), bf16 like the 7B, on a v5e:2x2.
+SMALL_TPU = ['--config=configs/small.py', '--config.model.head_dim=128',
+             '--config.model.num_heads=2', '--config.model.num_kv_heads=2',
+             '--config.model.dtype=bfloat16', '--config.data.seq_len=1024',
+             '--config.model.sliding_window=512', '--config.train.micro_batch_size=1']
+
+
+def _plan(*args, env=None, timeout=600):
+  return subprocess.run([sys.executable, 'plan.py', *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, env=env)
+
+
+def test_libtpu_is_installed_for_the_tests():
+  assert plan.libtpu_version(), "the test extra installs libtpu: pip install '.[test]'"
+
+
+def _attention_grad(topology, head_dim, window, segments, block=None):
+  """libtpu's compile of the flash kernel's forward and backward at T = 8,192."""
+  mesh = Mesh(plan.tpu_devices(topology)[:1], ('x',))
+  replicated = NamedSharding(mesh, P())
+  q = jax.ShapeDtypeStruct((1, 8192, 4, head_dim), jnp.bfloat16, sharding=replicated)
+  kv = jax.ShapeDtypeStruct((1, 8192, 2, head_dim), jnp.bfloat16, sharding=replicated)
+  seg = jax.ShapeDtypeStruct((1, 8192), jnp.int32, sharding=replicated) if segments else None
+
+  def loss(q, k, v, seg):
+    o = kernels.flash_attention(q, k, v, window=window, segment_ids_BT=seg, block_q=block,
+                                block_kv=block)
+    return jnp.sum(o.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the kernels see the chip
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg)
+    return lowered.as_text(), lowered.compile()
+
+
+# Every case on the v5e; the largest tiles (head_dim 256, window and segment ids) on
+# every other chip of the block table.
+CASES = ([('v5e:1x1', k, w, s) for k in (128, 256) for w, s in ((None, False), (4096, True))]
+         + [(t, 256, 4096, True) for t in ('v4:1x1x1', 'v5p:1x1x1', 'v6e:1x1', 'tpu7x:1x1x1')])
+
+
+@pytest.mark.parametrize('topology,head_dim,window,segments', CASES)
+def test_mosaic_compiles_the_kernels_at_the_block_tables_sizes(topology, head_dim, window,
+                                                               segments):
+  text, compiled = _attention_grad(topology, head_dim, window, segments)
+  for name in ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv'):
+    assert name in text
+  assert 'tpu_custom_call' in compiled.as_text()  # Mosaic kernels in the TPU executable
+
+
+def test_a_block_too_big_for_vmem_fails_the_mosaic_compile():
+  # 4096 x 4096 f32 logits tiles alone are 64 MiB: more than a v4 core's 16 MiB of VMEM.
+  # What the lowering in test_kernels.py accepts, libtpu's compile refuses.
+  with pytest.raises(Exception, match='(?i)vmem|memory|exceed'):
+    _attention_grad('v4:1x1x1', 256, None, False, block=4096)
+
+
+def test_plan_compiles_the_small_step_with_the_tpu_compiler():
+  proc = _plan(*SMALL_TPU, '--topology=v5e:2x2')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert 'planning for v5e:2x2 with the TPU compiler (libtpu ' in out
+  assert 'compiler    TPU: libtpu' in out and 'no extrapolation' in out
+  assert "compiled    4 devices, mesh {'data': 1, 'fsdp': 4, 'tensor': 1}, 2 micro-batches" in out
+  assert ('compiled by libtpu: flash_attention_fwd, flash_attention_dq, flash_attention_dkv'
+          in out)
+  assert 'stand-in' not in out and 'TPU v5e    16 GB: fits' in out
+  assert 'Failed to find host bounds' not in proc.stderr  # libtpu kept off the metadata server
+
+
+def test_tpu_arguments_are_the_sharded_state_and_batch():
+  cfg = config_checks.complete(small.get_config())
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
+  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 1024, 512, 1
+  p = plan.tpu_plan(cfg, 'v5e:2x2')
+  (c,) = p.compiles
+  shape = {'data': 1, 'fsdp': 4, 'tensor': 1}
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)),
+                                     shape)
+  batch = 8 // 4 * (1024 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 2 rows
+  # Less what the step never reads (last step's lr, grad_norm, skipped: pruned as on
+  # CPU), plus the TPU's tile padding of small arrays (norm scales, scalars): a few KB.
+  assert abs(c.argument - (params + opt + batch)) < 1e-3 * c.argument
+  assert c.alias > 0.99 * (params + opt)  # the donated state is updated in place
+  assert 0 < c.temp < 2e9 and p.peak_bytes == c.argument + c.output - c.alias + c.temp
+  assert not p.temp_extrapolated and p.compiler == 'tpu' and p.tpu_kernels
+
+
+def test_a_step_too_big_for_the_chip_is_reported_not_raised():
+  # 64 layers of d_model 2048 in fp32 with Adam: ~48 GB of state on one 16 GB v5e chip.
+  proc = _plan(*SMALL_TPU, '--config.model.num_layers=64', '--config.model.d_model=2048',
+               '--config.model.mlp_hidden=8192', '--config.data.global_batch_size=1',
+               '--topology=v5e:1x1')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'DOES NOT FIT the chip' in proc.stdout and 'RESOURCE_EXHAUSTED' in proc.stdout
+  assert 'TPU v5e    16 GB: does NOT fit' in proc.stdout
+  assert 'Traceback' not in proc.stderr
+
+
+def test_without_libtpu_the_cpu_compile_plans_the_slice_and_says_so(tmp_path):
+  # A sitecustomize that makes libtpu look absent, as on a machine without it.
+  (tmp_path / 'sitecustomize.py').write_text(
+      'import importlib.metadata as m\n_version = m.version\n'
+      'def version(name):\n'
+      '  if name == "libtpu":\n    raise m.PackageNotFoundError(name)\n'
+      '  return _version(name)\nm.version = version\n')
+  env = dict(os.environ, PYTHONPATH=f'{tmp_path}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+  proc = _plan(*SMALL_TPU, '--config.data.global_batch_size=16', '--devices=2',
+               '--topology=v5e:2x4', env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert 'libtpu is not installed: planning v5e:2x4 from a CPU compile, extrapolated' in out
+  assert 'compiler    CPU: simulated devices, temp extrapolated' in out
+  assert 'target      8 devices' in out and 'lowered for the TPU:' in out
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--topology=v5x:2x2'], 'is not a TPU slice name'),
+    (['--topology=v5e:2'], 'is not a TPU slice name'),
+    (['--topology=v5e:3x3'], 'libtpu cannot describe'),
+    (['--topology=v5e:2x2', '--target_devices=8'], 'drop --target_devices'),
+])
+def test_bad_topologies_name_the_fix(args, message):
+  proc = _plan('--config=configs/small.py', *args, timeout=120)
+  assert proc.returncode == 2 and 'Traceback' not in proc.stderr
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith('error: ') and message in line
+
+
+def test_parallel_loads_share_the_lock():
+  code = ('import plan; print(len(plan.tpu_devices("v5e:2x2")))')
+  procs = [subprocess.Popen([sys.executable, '-c', code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS='cpu')) for _ in range(3)]
+  for proc in procs:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip() == '4', err[-2000:]
+
+
+@pytest.mark.fresh_interpreter  # a forked child would inherit the zygote's imports
+def test_libtpu_stays_quiet_on_a_host_without_tpu_chips():
+  # Without the placeholders (conftest.py sets them for the whole run), as a user's shell.
+  env = {k: v for k, v in os.environ.items()
+         if k not in xla.LIBTPU_PLACEHOLDERS and k != 'JAX_PLATFORMS'}
+  proc = subprocess.run([sys.executable, '-c', 'import model, jax; print(jax.devices()[0].platform)'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 0 and proc.stdout.strip() == 'cpu', proc.stderr[-2000:]
+  assert not xla.has_tpu_chips()
+  assert 'TPU' not in proc.stderr and 'E0000' not in proc.stderr, proc.stderr[-2000:]
