@@ -215,7 +215,11 @@ def cluster_detected() -> str | None:
     return 'JAX_COORDINATOR_ADDRESS'
   if int(os.environ.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in os.environ:
     return 'SLURM'  # srun: one task per host (or per accelerator)
-  if (os.environ.get('TPU_WORKER_HOSTNAMES') or os.environ.get('MEGASCALE_COORDINATOR_ADDRESS')
+  hosts = os.environ.get('TPU_WORKER_HOSTNAMES')
+  if hosts == kernels.xla.LIBTPU_PLACEHOLDERS['TPU_WORKER_HOSTNAMES'] and not (
+      kernels.xla.has_tpu_chips()):
+    hosts = None  # kernels.xla's stand-in for libtpu on a host without chips: no pod
+  if (hosts or os.environ.get('MEGASCALE_COORDINATOR_ADDRESS')
       or glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*')):
     # A Cloud TPU VM (its chips, or GKE's host list): JAX reads the slice's hosts
     # from the metadata server; a single-host slice becomes one process.

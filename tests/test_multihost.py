@@ -399,6 +399,9 @@ def test_cluster_detection_from_the_environment(monkeypatch):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setattr(sharding.glob, 'glob', lambda pattern: [])  # no TPU chips
   assert sharding.cluster_detected() is None  # one process: no jax.distributed
+  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', 'localhost')  # kernels.xla's libtpu stand-in
+  assert sharding.cluster_detected() is None  # on a host without TPU chips: no pod
+  monkeypatch.delenv('TPU_WORKER_HOSTNAMES')
   monkeypatch.setenv('SLURM_NTASKS', '1')
   monkeypatch.setenv('SLURM_PROCID', '0')
   assert sharding.cluster_detected() is None  # a one-task SLURM job is one process
