@@ -40,7 +40,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -85,9 +85,11 @@ def session_start() -> tuple[float, str]:
 class Account:
   """One process's phase clock and its record in <workdir>/goodput/ (process 0 writes)."""
 
-  def __init__(self, workdir: str, start: float | None = None, collector_paused: bool = False):
+  def __init__(self, workdir: str, start: float | None = None, collector_paused: bool = False,
+               then: str | None = None):
     """collector_paused: the process turned Python's cyclic collector off for its start-up
-    (`python train.py`); it is turned on at the first step, or at the end if none is taken."""
+    (`python train.py`); it is turned on at the first step, or at the end if none is taken.
+    then: the category the time goes to from now on (see `switch`)."""
     self.workdir, self.folder = workdir, storage.join(workdir, FOLDER)
     self.collector_paused = collector_paused
     self.start, self.start_name = session_start() if start is None else (start, 'start')
@@ -98,9 +100,12 @@ class Account:
     self.current = 'tpu initialization'  # until the first switch: imports, backends
     self.since = time.time()
     self.seconds[self.current] = self.since - self.start
+    self.latest: dict[str, float] = {}  # the seconds of each category's latest `phase`
     self.segments: list[dict[str, Any]] = []
     self.first_step_s: float | None = None
     self.exit_code: int | None = None
+    if then:
+      self.switch(then)
 
   def __enter__(self) -> 'Account':
     """Reads the run's earlier records; process 0 writes this one's from now on."""
@@ -132,11 +137,18 @@ class Account:
 
   @contextlib.contextmanager
   def phase(self, category: str):
-    previous = self.switch(category)
+    """The block's time goes to `category`; its seconds are then latest[category]."""
+    previous, began = self.switch(category), time.perf_counter()
     try:
       yield
     finally:
       self.switch(previous)
+      self.latest[category] = time.perf_counter() - began
+
+  def timed(self, category: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), its time going to `category`."""
+    with self.phase(category):
+      return fn(*args)
 
   def elapsed(self) -> float:
     return time.time() - self.start
@@ -199,6 +211,34 @@ class Account:
   def summary(self) -> dict[str, Any]:
     """The run's account: every earlier process and this one so far (summarize)."""
     return summarize(self.previous + [self.as_dict()])
+
+  def take_step(self, step: int, writer: Any, train_step: Callable[..., Any], *args: Any
+                ) -> Any:
+    """train_step(*args), the loop's `step`: productive, except this process's first,
+    which is `program startup` (its compile, and the wait for it) and whose end is the time
+    to first step (first_step_done)."""
+    first = self.first_step_s is None
+    with self.phase('program startup' if first else PRODUCTIVE):
+      out = train_step(*args)
+      if first:
+        self.first_step_done(step, out[1], writer)
+    return out
+
+  @contextlib.contextmanager
+  def saving(self, step: int, writer: Any, final: bool):
+    """Around a checkpoint save's blocking part (the write goes on behind): `checkpoint
+    save`, then a record marking `step` saved, and the run's `goodput/` metrics at `step`,
+    but for the `final` save of a process (those come with its last account: `write`)."""
+    self.switch('checkpoint save')
+    yield
+    self.switch(PRODUCTIVE)
+    self.record(step, save=True)
+    if not final:
+      self.write(step, writer)
+
+  def write(self, step: int, writer: Any) -> None:
+    """The run's `goodput/` metrics (the account so far) at `step` (writer: MetricWriter)."""
+    writer.write(step, metrics(self.summary()))
 
   def first_step_done(self, step: int, step_metrics: Any, writer: Any) -> None:
     """After this process's first step (waited for): `time to first step (s)`, from the
@@ -336,6 +376,15 @@ def compilation_cache(setting: str, workdir: str) -> str:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   return folder
+
+
+def pause_collector() -> bool:
+  """Turns Python's cyclic collector off for a start-up (Account(collector_paused=True)
+  turns it on again at the first step); False if it was off already."""
+  if not gc.isenabled():
+    return False
+  gc.disable()
+  return True
 
 
 def compile_ahead(step: Any, *abstract_args: Any) -> Any:

@@ -27,7 +27,6 @@ if COLLECTOR_PAUSED:  # collector, on again after the first step (goodput.Accoun
 
 import contextlib  # noqa: E402  (after the pause: imports run without the collector)
 import sys
-import time
 from typing import Any, NamedTuple
 
 from absl import app, flags, logging
@@ -254,12 +253,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   one's in-flight save for a crashed one's leftovers.
   """
   account = goodput.Account(workdir := storage.canonical(workdir),  # timed from the process start
-                            collector_paused=COLLECTOR_PAUSED)
-  account.switch('training prep')
+                            collector_paused=COLLECTOR_PAUSED, then='training prep')
   config_checks.validate(config_checks.complete(cfg))
   config_checks.check_sources(cfg)
-  with account.phase('tpu initialization'):
-    mesh = sharding.make_mesh(cfg.train)  # the device count, before any packing
+  mesh = account.timed('tpu initialization', sharding.make_mesh, cfg.train)  # before packing
   goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile
   cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
   ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
@@ -286,8 +283,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
       train_step = goodput.compile_ahead(train_step, target, sharding.abstract_batch(
           cfg.data, mesh), jax.ShapeDtypeStruct((), np.float32))
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
-    with account.phase('checkpoint restore' if ckpt.committed_steps() else 'training prep'):
-      state, data_state = restore_or_init(cfg, tx, mesh, ckpt)
+    state, data_state = account.timed('checkpoint restore' if ckpt.committed_steps() else
+                                      'training prep', restore_or_init, cfg, tx, mesh, ckpt)
     start = int(jax.device_get(state.opt_state.step))
 
     def make_loader(data_state, step):  # again after a rollback, with its window skipped
@@ -301,8 +298,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
     state, last = loop(cfg, workdir, state, start, train_step, make_loader(data_state, start),
                        ckpt, ds, mesh, recovery, make_loader, account)
     if sample_tokens:  # inside the account: its goodput line is the process's last
-      with account.phase('custom/sample'):
-        sample.print_sample(cfg, state.params, sample_tokens)
+      account.timed('custom/sample', sample.print_sample, cfg, state.params, sample_tokens)
   return last
 
 
@@ -337,24 +333,19 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
   account.begin_segment(start)  # the loop's time is productive, but for what is timed apart
   try:  # the first beat follows the first step: its compile is paused (health.Heartbeat)
     while step < cfg.train.steps:
-      t0 = time.perf_counter()
-      with account.phase('data loading'):
-        batch = next(loader)
-      wait = time.perf_counter() - t0
+      batch = account.timed('data loading', next, loader)
       ckpt.poll()  # a failed background save stops the run now, not at the next save
       profile.before_step(step + 1)
-      with heartbeat.compiling('train step'), account.phase(
-          'program startup' if account.first_step_s is None else goodput.PRODUCTIVE):
-        state, step_metrics = train_step(state, batch, np.float32(recovery.lr_factor(step + 1)))
-        if account.first_step_s is None:  # its compile, and the wait for it, are start-up
-          account.first_step_done(step + 1, step_metrics, writer)
+      with heartbeat.compiling('train step'):  # the first: start-up (goodput.Account)
+        state, step_metrics = account.take_step(step + 1, writer, train_step, state, batch,
+                                                np.float32(recovery.lr_factor(step + 1)))
       step += 1
       profile.after_step(step, state)
       step_metrics = {**step_metrics, **recovery.counters(step)}
       if repeats is not None:  # host-side: the ids of the batch just taken
         step_metrics = {**step_metrics, 'data/repeated instances': repeats.observe(
             loader.last_position[0], loader.ids_at(*loader.last_position))}
-      progress.add(step, step_metrics, wait)
+      progress.add(step, step_metrics, account.latest['data loading'])
       preempted = preempt.agreed()
       finished = step == cfg.train.steps
       save = step % cfg.train.ckpt_every == 0 or finished or preempted
@@ -366,11 +357,9 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         for judged, healthy in guard.verdicts():  # before a rollback picks a state
           ckpt.judge(judged, healthy, judged + 1)
       if guard.reason:  # roll back to the last healthy state, or stop (EXIT_DIVERGED)
-        with account.phase('custom/rollback'):
-          state, step, data_state = recovery.roll_back(
-              guard.reason, step, state, recovery.target,
-              metrics.checkpoint_meta(cfg, step, loader, version, recovery), writer,
-              guard.trip_step)
+        state, step, data_state = account.timed(
+            'custom/rollback', recovery.roll_back, guard.reason, step, state, recovery.target,
+            metrics.checkpoint_meta(cfg, step, loader, version, recovery), writer, guard.trip_step)
         account.begin_segment(step)  # the steps after `step` are computed again
         loader.close()
         writer.close()
@@ -380,22 +369,17 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       if not preempted:  # the grace period is for the checkpoint
         last.update(evals.run(step, state.params, finished, writer, memorization, heartbeat,
                               account))
-      if save:
-        account.switch('checkpoint save')  # its blocking part; the write goes on behind
-        writer.flush()  # in a bucket: the records through this step, before it commits
-        # Pending: the next step's loss, the first from these params, judges this state
-        # (health.DivergenceGuard). The last step of a run, or one preempted, stays pending
-        # until a run continuing from it takes that step.
-        ckpt.save(step, state, metrics.checkpoint_meta(cfg, step, loader, version, recovery),
-                  healthy=None)
-        guard.await_verdict(step)
-        account.switch(goodput.PRODUCTIVE)
-        account.record(step, save=True)
-        if not (finished or preempted):  # those steps get the final account (`finally`)
-          writer.write(step, goodput.metrics(account.summary()))
+      if save:  # its blocking part; the write goes on behind
+        with account.saving(step, writer, final=finished or preempted):
+          writer.flush()  # in a bucket: the records through this step, before it commits
+          # Pending: the next step's loss, the first from these params, judges this state
+          # (health.DivergenceGuard). The last step of a run, or one preempted, stays
+          # pending until a run continuing from it takes that step.
+          ckpt.save(step, state, metrics.checkpoint_meta(cfg, step, loader, version,
+                                                         recovery), healthy=None)
+          guard.await_verdict(step)
       if preempted:
-        with account.phase('checkpoint save'):
-          ckpt.wait()
+        account.timed('checkpoint save', ckpt.wait)
         logging.warning('Preempted at step %d; checkpoint written.', step)
         raise SystemExit(errors.EXIT_PREEMPTED)
       heartbeat.beat()
@@ -410,13 +394,12 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
         logging.exception('The in-flight checkpoint save failed too.')
     raise
   else:
-    with account.phase('checkpoint save'):
-      ckpt.close()
+    account.timed('checkpoint save', ckpt.close)
   finally:
     preempt.close()
     profile.close()  # a trace cut short by the end of the loop is still saved
     loader.close()
-    writer.write(step, goodput.metrics(account.summary()))
+    account.write(step, writer)  # the process's last account
     writer.close()
     tracker.close(exit_code)  # after the writer's last record; waits a bounded time
   return state, last
@@ -448,10 +431,8 @@ def main(argv: list[str]) -> None:
 def run() -> None:
   """The command line: defines the flags (here, not at import: plan.py, tests and scripts
   import this module as a library) and runs main (`python train.py` calls it)."""
-  global COLLECTOR_PAUSED  # pylint: disable=global-statement
-  if gc.isenabled():  # a script calling run() starts like `python train.py`, imports aside
-    gc.disable()
-    COLLECTOR_PAUSED = True
+  global COLLECTOR_PAUSED  # pylint: disable=global-statement  # a script calling run()
+  COLLECTOR_PAUSED = goodput.pause_collector() or COLLECTOR_PAUSED  # starts like train.py
   kernels.xla.set_cpu_flags()  # before anything starts a JAX backend
   # Without --config in argv this already parses the default file and the overrides.
   with config_checks.config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):

@@ -362,3 +362,27 @@ def test_two_runs_differ_only_in_wall_clock_keys_which_the_docs_name(tmp_path):
   timing = doc[doc.index('## Wall-clock keys'):].split('\n## ')[0]
   for key in differ:
     assert f'`{key}`' in timing or f'`{key.split("/")[0]}/`' in timing, key
+
+
+@pytest.mark.slow  # a train.py process
+def test_the_spine_stays_short_and_the_phases_it_hands_to_the_account_are_timed(tmp_path):
+  """train.py hands its phases to goodput.Account (timed, take_step, saving, write) rather
+  than timing them itself, and stays within the ~450 lines its readers are promised. A run
+  through the command line still times every phase, marks each save, logs the account at
+  a save and at the end, and the loader's wait."""
+  # pylint: disable-next=import-outside-toplevel
+  from test_multihost import metrics as per_step, run_train
+  spine = len((REPO / 'train.py').read_text().splitlines())
+  assert spine <= 450, f'train.py has {spine} lines'
+  out = run_train(tmp_path, 4, 2, '--sample_tokens=4', devices=1)
+  assert '--- sample ---' in out
+  record = json.loads(next((tmp_path / 'goodput').glob('*.json')).read_text())
+  for category in ('tpu initialization', 'training prep', 'program startup', 'data loading',
+                   'checkpoint save', goodput.PRODUCTIVE, 'custom/sample'):
+    assert record['seconds'].get(category, 0.0) > 0, (category, record['seconds'])
+  assert [m[0] for m in record['segments'][0]['marks'] if m[2]] == [0, 2, 4]  # the saves
+  assert record['time to first step (s)'] > 0 and record['exit_code'] == 0
+  logged = per_step(tmp_path)
+  assert 'goodput/goodput (%)' in logged[2] and 'goodput/goodput (%)' in logged[4]
+  assert logged[1]['goodput/time to first step (s)'] == record['time to first step (s)']
+  assert all(0 <= logged[s]['time/data wait'] < 60 for s in range(1, 5))
