@@ -45,6 +45,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 from typing import Any
@@ -63,6 +64,7 @@ from host_sync import Sync
 import step_dirs
 import storage
 from step_dirs import COMMIT, committed_steps, latest_healthy_step, latest_step, read_metadata
+import workdir_lock
 from workdir_lock import LOCK, WorkdirLock, WorkdirLockedError
 
 # What other modules use, as checkpoint.<name> (some defined in chunk_store.py, workdir_lock.py).
@@ -76,7 +78,16 @@ _OP_IDS = itertools.count()  # same sequence on every process (SPMD call order)
 
 
 class CheckpointSaveError(RuntimeError):
-  """A background save failed; earlier checkpoints are intact."""
+  """A background save failed; earlier checkpoints are intact. `failed_store`: the store
+  that failed, if one did, as on storage.StorageError (errors.one_line then appends no
+  stack to an error.log there, which would wait out the same retries again)."""
+
+  def __init__(self, message: str, failed_store: str = ''):
+    super().__init__(message)
+    self.failed_store = failed_store
+
+
+_SPEC_RE = re.compile(r" ?\[tensorstore_spec='.*?'\]", re.DOTALL)  # kilobytes of JSON
 
 
 def _key_str(key: Any) -> str:
@@ -142,7 +153,7 @@ class Checkpointer:
     self._thread: threading.Thread | None = None
     self._verdicts: dict[int, tuple[bool, int]] = {}  # judge()'s, until no save is in flight
     self._error: tuple[int, BaseException] | None = None
-    self._not_removed: str = ''  # why a failed save's temporary directory is still there
+    self._not_removed: tuple[str, Exception] | None = None  # a failed save's leftover, and why
     self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
     self._tidy()  # before the caller lists committed steps
 
@@ -178,6 +189,7 @@ class Checkpointer:
     preemption save right after a resume).
     """
     self.wait()
+    workdir_lock.check_lease(self.directory)  # no save from a run whose lease may lapse
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f'step={step!r}: must be an integer >= 0.')
     if healthy is not None and not isinstance(healthy, (bool, np.bool_)):
@@ -246,7 +258,7 @@ class Checkpointer:
         try:
           step_dirs.discard(tmp)
         except Exception as left:  # pylint: disable=broad-except  # the save's error comes first
-          self._not_removed = f'{tmp} ({type(left).__name__}: {left})'
+          self._not_removed = (tmp, left)
       if outcome == 'ok':
         try:
           self._apply_retention()
@@ -292,12 +304,14 @@ class Checkpointer:
         step_dirs.write_verdict(self.directory, step, healthy, judged_by, self.fsync)
 
   def poll(self) -> None:
-    """Raises CheckpointSaveError now if the last background save has failed.
+    """Raises CheckpointSaveError now if the last background save has failed, and the
+    lease's error if the workdir's lease could not be renewed (workdir_lock.check_lease).
 
     Non-blocking (a thread liveness check), so cheap enough to call every
     step. In multi-process runs every process learns of a failure, but each
     on its own schedule (possibly a step apart).
     """
+    workdir_lock.check_lease(self.directory)
     if self._thread is None or not self._thread.is_alive():
       self.wait()
 
@@ -311,15 +325,16 @@ class Checkpointer:
       self._write_verdicts()
     if self._error is not None:
       (step, error), self._error = self._error, None
-      left, self._not_removed = self._not_removed, ''
-      tmp = (f'removing its temporary directory failed too, {left}; the next start removes '
-             'it' if left else 'its temporary directory was removed')
-      raise CheckpointSaveError(
-          f'Checkpoint save of step {step} in {self.directory} failed; {tmp}, and earlier '
-          'checkpoints are intact: '
-          f'{type(error).__name__}: {error}. Fix the cause (disk space, permissions, '
-          'the mount), then rerun the same command to resume from the latest '
-          'checkpoint.') from error
+      (tmp, left), self._not_removed = self._not_removed or ('', None), None
+      tmp = (f'removing its temporary directory failed too, {tmp} ({type(left).__name__}: '
+             f'{left}); the next start removes it' if tmp else
+             'its temporary directory was removed')
+      message = (f'Checkpoint save of step {step} in {self.directory} failed; {tmp}, and '
+                 f'earlier checkpoints are intact: {type(error).__name__}: {error}. Fix the '
+                 'cause (disk space, permissions, the mount or the store), then rerun the '
+                 'same command to resume from the latest checkpoint.')
+      failed = getattr(error, 'failed_store', '') or getattr(left, 'failed_store', '')
+      raise CheckpointSaveError(_SPEC_RE.sub('', message), failed) from error
 
   def restore(self, target: Any, step: int | None = None,
               verify: bool = True) -> tuple[Any, dict[str, Any]]:
@@ -361,9 +376,20 @@ class Checkpointer:
       raise CheckpointReadError(f'Process 0 could not tidy {self.directory}: {failure}')
 
   def close(self) -> None:
-    """Waits for the in-flight save (raising its error) and frees the hash threads."""
+    """Waits for the in-flight save (raising its error) and frees the hash threads.
+
+    Closed while another error is handled (train.py's loop, failing), its own is logged in
+    one line, not raised: an outage fails the save and what the run did next, and the run's
+    one `error:` line names the first; a second error's traceback would bury it.
+    """
+    ending = sys.exc_info()[1]
     try:
       self.wait()
+    except Exception as e:  # pylint: disable=broad-except  # raised unless another is
+      if ending is None:
+        raise
+      logging.error('The in-flight checkpoint save of %s failed too: %s', self.directory,
+                    _SPEC_RE.sub('', ' '.join(str(e).split())))
     finally:
       self._pool.shutdown()
 

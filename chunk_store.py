@@ -239,10 +239,15 @@ def write_local(root: str, arrays: list[Snapshot], use_ocdbt: bool, fsync: bool,
 
   ctx = ts.Context()
   mine = [a for a in arrays if a.pieces]
-  stores = [settle(ts.open(dict(spec(root, a.name, use_ocdbt, fsync), metadata={
+  # Every open is issued before any is waited for: each is a request or two, and waited for
+  # one by one, a store that is down would cost one whole retry budget per array.
+  opening = [ts.open(dict(spec(root, a.name, use_ocdbt, fsync), metadata={
       'shape': list(a.shape), 'data_type': a.dtype.name,
       'chunk_grid': {'name': 'regular', 'configuration': {'chunk_shape': list(a.chunk)}}}),
-                           create=True, open=True, context=ctx)) for a in mine]
+                     create=True, open=True, context=ctx) for a in mine]
+  stores = [settle(future) for future in opening]
+  if errors:  # the store failed: writing the rest would only wait out more retries
+    raise errors[0]
   writes = [store[slices(box)].write(data) for a, store in zip(mine, stores)
             if store is not None for box, data in a.pieces]
   # Hash while tensorstore writes (both release the GIL).

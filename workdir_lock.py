@@ -12,6 +12,10 @@ rewrites it every LEASE_SECONDS / 4 (conditional on its own last write). A
 LOCK not renewed for LEASE_SECONDS, or naming a process of this host that is
 no longer running (a killed trainer restarted by the launcher), is stale and
 taken over, again by a conditional write, so two runs never both win.
+A renewal the store fails after the client's retries (or one that finds LOCK
+taken over) ends the lease's hold: `check_lease`, which Checkpointer.poll calls
+every step, raises it, so the run stops in one line before it writes again,
+as it would had any other request met the outage first.
 """
 
 import datetime
@@ -29,10 +33,22 @@ import storage
 
 LOCK = 'LOCK'
 LEASE_SECONDS = float(os.environ.get('OLMO_LOCK_LEASE_SECONDS', 300))
+_HELD: dict[str, '_Lease'] = {}  # this process's bucket leases, by workdir
 
 
 class WorkdirLockedError(errors.UserError, RuntimeError):
   """Another live process holds the workdir's LOCK."""
+
+
+def check_lease(location: str) -> None:
+  """Raises why this process's lease on the workdir holding `location` ended, if it did:
+  the store failed its renewal after the client's retries (storage.StorageError, EXIT_CRASH:
+  a rerun takes the lease back), or another run took LOCK over (WorkdirLockedError). A run
+  whose lease may have lapsed must not write on as if it still held the workdir."""
+  for workdir, lease in list(_HELD.items()):
+    if lease.failure is not None and (location == workdir or
+                                      location.startswith(workdir.rstrip('/') + '/')):
+      raise lease.failure
 
 
 class WorkdirLock:
@@ -65,7 +81,7 @@ class WorkdirLock:
 
   def __enter__(self) -> 'WorkdirLock':
     if not storage.locks(self.workdir):  # a bucket: a lease
-      self._lease = _Lease(self.workdir, self.path)
+      self._lease = _HELD[self.workdir] = _Lease(self.workdir, self.path)
       return self
     if self._fd is not None:
       raise RuntimeError(f'{self.path} is already held by this WorkdirLock.')
@@ -89,8 +105,11 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     if self._lease is not None:
-      self._lease.release()
-      self._lease = None
+      lease, self._lease = self._lease, None
+      _HELD.pop(self.workdir, None)
+      lease.release()
+      if exc[0] is None and lease.failure is not None:  # the run ended before it checked
+        raise lease.failure
       return
     fd, self._fd = self._fd, None
     try:
@@ -173,6 +192,7 @@ class _Lease:
   def __init__(self, workdir: str, path: str):
     self.workdir, self.path = workdir, path
     self.holder = _holder()
+    self.failure: Exception | None = None  # why the lease ended early (check_lease)
     for _ in range(3):  # lost races re-read the winner, who is then refused below
       text, generation = storage.read_versioned(path)
       if text and _parsed(text) == self.holder:
@@ -240,13 +260,22 @@ class _Lease:
       try:
         generation = storage.write(self.path, json.dumps(self.holder).encode(),
                                    if_generation=self.generation)
-      except OSError as e:  # the service is down: keep trying, the lease is long
+      except OSError as e:
+        # Failed after the client's retries, like any request that ends the run; and one
+        # more missed renewal could let the lease lapse while this run still writes.
         logging.warning('Cannot renew the workdir lock %s: %s', self.path, e)
-        continue
+        failure = e if isinstance(e, storage.StorageError) else storage.StorageError(str(e))
+        self.failure = type(failure)(
+            f'Cannot renew the workdir lease {self.path}, so this run stops before it writes '
+            f'again (its lease would lapse, and another run could take the workdir): '
+            f'{failure}', failure.failed_store)
+        return
       if generation is None:
-        logging.error('Lost the workdir lock %s: another run took it over after this one '
-                      'failed to renew it for %.0f s. Stop one of the two runs.', self.path,
-                      LEASE_SECONDS)
+        self.failure = WorkdirLockedError(
+            f'Lost the workdir lock {self.path}: another run took it over after this one '
+            f'failed to renew it for {LEASE_SECONDS:.0f} s, so this one stops before the two '
+            "write over each other's checkpoints.")
+        logging.error('%s', self.failure)
         return
       self.generation = generation
 

@@ -24,8 +24,13 @@ class FaultProxy:
   acts on them, but their answer is dropped (the connection closed unanswered), as when a
   reply is lost on the way back. proxy.shorten(n, by): the next n answers to a ranged GET
   (206) lose their last `by` bytes, with headers that agree (a transfer cut short).
-  proxy.counts: requests seen per method, proxy.requests: (when, method, path) of each, proxy.bytes_in / bytes_out: bodies forwarded up /
-  answered down.
+  proxy.outage(method, contains, skip, n, status, only): an outage that starts at one
+  operation: from the first request of `method` whose (unquoted) path contains `contains`,
+  after `skip` such requests passed, the next n requests whose path contains `only` ('':
+  any) are answered `status`; several outages run in the order they were set (the second
+  is armed once the first has ended). proxy.counts: requests seen per method,
+  proxy.requests: (when, method, path) of each, proxy.bytes_in / bytes_out: bodies
+  forwarded up / answered down.
   """
 
   def __init__(self, upstream: str):
@@ -35,6 +40,7 @@ class FaultProxy:
     self.failing, self.fail_status, self.stall_seconds, self.passing = 0, 503, 0.0, 0
     self.losing, self.lose_method, self.lose_contains = 0, 'PUT', ''
     self.shortening, self.shorten_by = 0, 1
+    self.outages: list[dict] = []  # outage()'s, in order; each {'armed', 'n', ...}
     self.counts: dict[str, int] = {}
     self.requests: list[tuple[float, str, str]] = []  # (time.monotonic(), method, path)
     self.bytes_in = self.bytes_out = 0
@@ -57,9 +63,10 @@ class FaultProxy:
           proxy.passing = max(0, proxy.passing - 1)
           if failing:
             proxy.failing -= 1
-        if failing:
+          status = proxy.fail_status if failing else proxy._outage(self.command, self.path)
+        if failing or status:
           payload = b'injected failure'
-          self.send_response(proxy.fail_status)
+          self.send_response(status)
           self.send_header('Content-Length', str(len(payload)))
           self.end_headers()
           self.wfile.write(payload)
@@ -115,6 +122,35 @@ class FaultProxy:
   def fail(self, n: int, status: int = 503, after: int = 0) -> None:
     with self.lock:
       self.failing, self.fail_status, self.passing = n, status, after
+
+  def outage(self, method: str, contains: str, skip: int = 0, n: int = 10 ** 6,
+             status: int = 503, only: str = '') -> dict:
+    """Sets an outage (see the class); returns its state: 'armed' is when it began (0: not
+    yet), 'n' the failures it has left to answer."""
+    rule = {'method': method, 'contains': contains, 'skip': skip, 'n': n, 'status': status,
+            'only': only, 'armed': 0.0}
+    with self.lock:
+      self.outages.append(rule)
+    return rule
+
+  def _outage(self, method: str, path: str) -> int:
+    """The status the current outage answers this request (0: none); under self.lock."""
+    while self.outages and self.outages[0]['n'] <= 0:
+      self.outages.pop(0)
+    if not self.outages:
+      return 0
+    rule, path = self.outages[0], urllib.parse.unquote(path)
+    if not rule['armed']:
+      if method != rule['method'] or rule['contains'] not in path:
+        return 0
+      if rule['skip'] > 0:
+        rule['skip'] -= 1
+        return 0
+      rule['armed'] = time.monotonic()  # when it began
+    if rule['only'] not in path:
+      return 0
+    rule['n'] -= 1
+    return rule['status']
 
   def lose(self, n: int, method: str = 'PUT', contains: str = '') -> None:
     with self.lock:

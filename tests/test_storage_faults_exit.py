@@ -17,6 +17,8 @@ import time
 import numpy as np
 import pytest
 
+import checkpoint
+import chunk_store
 import errors
 import kvstores
 import servers
@@ -146,6 +148,55 @@ def test_an_endpoint_that_refuses_or_a_missing_gcs_endpoint_variable_is_named(
     one_line(output, errors.EXIT_CRASH, rc, named)
     assert any('Still ' in line for line in output.splitlines()), output[-4000:]
     assert time.monotonic() - began < 120, output[-4000:]
+
+
+# --- An outage longer than the retries, whichever operation meets it first ----------------
+
+OUTAGE_RETRIES = 2  # 0.5 + 1 s of backoff: a request gives up within ~2 s
+# Where the store goes down (FaultProxy.outage's arguments) in a run of 8 steps that saves
+# every 2, so steps 2 and 4 are committed before it.
+OUTAGES = {
+    # step 6's save, from its first request (an array's zarr.json, read before it is made)
+    'save': [dict(method='GET', contains='/checkpoints/step_6/arrays/')],
+    # the marker that commits step 6, written after its chunks and metadata.json
+    'commit': [dict(method='POST', contains='/checkpoints/step_6/COMMIT')],
+    # step 6's save fails on its own (COMMIT refused once with a 400: no outage yet); the
+    # store goes down as the clean-up deletes what it wrote
+    'cleanup': [dict(method='POST', contains='/checkpoints/step_6/COMMIT', n=1, status=400),
+                dict(method='DELETE', contains='/checkpoints/step_6/')],
+    # once step 4 is committed, every attempt of the next renewal of LOCK; nothing else fails
+    'lease renewal': [dict(method='POST', contains='/checkpoints/step_4/COMMIT',
+                           n=OUTAGE_RETRIES + 1, only='/LOCK')],
+}
+
+
+@pytest.mark.parametrize('operation', list(OUTAGES))
+def test_an_outage_longer_than_the_retries_is_one_line_and_loses_no_checkpoint(
+    gcs_server, cache, operation):
+  """The store goes down as `operation` begins, for longer than OLMO_STORAGE_RETRIES: one
+  `error:` line, exit 1 (the launcher restarts it), no traceback, within a bounded time;
+  the steps committed before it stay committed and restore in full (every chunk read back
+  against its checksum)."""
+  endpoint, bucket = gcs_server
+  workdir = f'gs://{bucket}/run'
+  with FaultProxy(endpoint) as proxy:
+    outages = [proxy.outage(**outage) for outage in OUTAGES[operation]]
+    rc, output = finish(start(workdir, steps=8, TENSORSTORE_GCS_HTTP_URL=proxy.url,
+                              OLMO_STORAGE_RETRIES=str(OUTAGE_RETRIES),
+                              OLMO_LOCK_LEASE_SECONDS='1'))  # renewed every 0.25 s
+    ended = time.monotonic()
+  assert all(o['armed'] for o in outages), outages  # the store went down where meant
+  line = one_line(output, errors.EXIT_CRASH, rc, workdir)
+  if operation == 'lease renewal':  # the only request that failed
+    assert 'Cannot renew the workdir lease' in line, line
+  # Not one retry budget per array of the save, as when each array's open was waited for.
+  assert ended - outages[-1]['armed'] < 60, ended - outages[-1]['armed']
+  directory = f'{workdir}/checkpoints'
+  steps = checkpoint.committed_steps(directory)
+  assert steps[:2] == [2, 4] and (operation == 'lease renewal' or steps == [2, 4]), steps
+  for step in steps:
+    for name in chunk_store.read_info(f'{directory}/step_{step}')['paths']:
+      checkpoint.read_array(directory, name, step=step)
 
 
 # --- The lease -----------------------------------------------------------------------------
