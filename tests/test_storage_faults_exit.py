@@ -189,8 +189,9 @@ def test_an_outage_longer_than_the_retries_is_one_line_and_loses_no_checkpoint(
   line = one_line(output, errors.EXIT_CRASH, rc, workdir)
   if operation == 'lease renewal':  # the only request that failed
     assert 'Cannot renew the workdir lease' in line, line
-  # Not one retry budget per array of the save, as when each array's open was waited for.
-  assert ended - outages[-1]['armed'] < 60, ended - outages[-1]['armed']
+  # Not one retry budget per array of the save, as when each array's open was waited for
+  # in turn (~125 s for this model's ~50 arrays; ~15-25 s now).
+  assert ended - outages[-1]['armed'] < 90, ended - outages[-1]['armed']
   directory = f'{workdir}/checkpoints'
   steps = checkpoint.committed_steps(directory)
   assert steps[:2] == [2, 4] and (operation == 'lease renewal' or steps == [2, 4]), steps
