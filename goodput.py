@@ -387,10 +387,12 @@ def pause_collector() -> bool:
   return True
 
 
-def compile_ahead(step: Any, *abstract_args: Any) -> Any:
+def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lambda: None
+                  ) -> Any:
   """`step` (a jitted function), traced, lowered and compiled for `abstract_args` on a
   thread while the caller goes on (train.py: the restore, the loader, the evaluators);
-  returns a callable that waits for that compile at its first call and then calls `step`.
+  returns a callable that waits for that compile at its first call, calls `then` (train.py:
+  the processes meet there, host_sync.barrier) and then calls `step`.
 
   jit keeps what an ahead-of-time compile made: the first call of `step` with values
   of those shapes and shardings runs at once. A compile that fails here is left to
@@ -407,7 +409,12 @@ def compile_ahead(step: Any, *abstract_args: Any) -> Any:
   thread.start()
   atexit.register(thread.join)
 
+  waiting = [True]
+
   def call(*args):
-    thread.join()  # at once after the first call
+    if waiting:
+      thread.join()
+      then()
+      waiting.clear()
     return step(*args)
   return call

@@ -62,6 +62,16 @@ class Sync:
     return self.client.blocking_key_value_get(key, TIMEOUT_MS)
 
 
+def barrier(name: str) -> None:
+  """Returns once every process has called it (a no-op for one process). Before a
+  collective whose device group is new, after work whose time differs between hosts (a
+  compile): jaxlib's gloo gives that group's first collective a fixed 30 s to meet, and
+  a loaded host that compiles longer would otherwise fail both processes."""
+  sync = Sync()
+  if sync.client is not None:
+    sync.client.wait_at_barrier(f'olmo3_{name}/{next(_OPS)}', TIMEOUT_MS)
+
+
 def check_shared(workdir: str) -> None:
   """Refuses, on every process and before anything else is written, a workdir the
   processes do not all see: process 0 writes a nonce there, every process reads it

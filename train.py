@@ -279,9 +279,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
     target = abstract_state(cfg, tx, mesh)
     train_step = jax.jit(make_train_step(cfg, tx, mesh, accum), donate_argnums=0,
                          out_shardings=(jax.tree.map(lambda x: x.sharding, target), None))
-    if not committed or committed[-1] < cfg.train.steps:  # compiled while restoring, below
-      train_step = goodput.compile_ahead(train_step, target, sharding.abstract_batch(
-          cfg.data, mesh), jax.ShapeDtypeStruct((), np.float32))
+    if not committed or committed[-1] < cfg.train.steps:  # compiled while restoring, below;
+      train_step = goodput.compile_ahead(  # the processes meet after it (host_sync.barrier)
+          train_step, target, sharding.abstract_batch(cfg.data, mesh), jax.ShapeDtypeStruct(
+              (), np.float32), then=lambda: host_sync.barrier('first step'))
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     state, data_state = account.timed('checkpoint restore' if ckpt.committed_steps() else
                                       'training prep', restore_or_init, cfg, tx, mesh, ckpt)

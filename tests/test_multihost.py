@@ -392,6 +392,41 @@ def test_the_private_jax_call_peers_rely_on_is_still_there():
       '\n        process_id,' in inspect.getsource(distributed.State.initialize)
 
 
+# Wraps train.py so that process 1 compiles its train step SLOW_COMPILE_S longer: a loaded
+# host. (jaxlib's gloo gives a new device group's first collective a fixed 30 s to meet.)
+SLOW_COMPILE_S = 45
+SLOW_COMPILER = '''
+import os, sys, time
+sys.path.insert(0, {repo!r})
+sys.argv[0] = os.path.join({repo!r}, 'train.py')
+import goodput, train
+original = goodput.compile_ahead
+class Slow:
+  def __init__(self, step): self.step = step
+  def trace(self, *args):
+    if train.jax.process_index() == 1:
+      time.sleep({seconds})
+    return self.step.trace(*args)
+  def __call__(self, *args): return self.step(*args)
+goodput.compile_ahead = lambda step, *args, **kwargs: original(Slow(step), *args, **kwargs)
+train.run()
+'''
+
+
+@pytest.mark.slow
+def test_a_host_that_compiles_longer_is_waited_for_not_failed(tmp_path):
+  """A slow host is not a dead one: process 1 takes 45 s longer to compile its first step
+  (as on a 2-core machine at load 8-10), and the run still finishes on both processes,
+  without a gloo rendezvous failure (the processes meet after the compile)."""
+  wrapper = tmp_path / 'slow.py'
+  wrapper.write_text(SLOW_COMPILER.format(repo=str(REPO), seconds=SLOW_COMPILE_S))
+  procs = spawn_two_processes(tmp_path / 'run', 3, 3, wrapper=str(wrapper))
+  outs = [out for out, _ in communicate_all(procs, timeout=400)]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0 and GLOO_RENDEZVOUS not in out, out[-5000:]
+  assert sorted(metrics(tmp_path / 'run')) == [1, 2, 3]
+
+
 def test_cluster_detection_from_the_environment(monkeypatch):
   import sharding  # pylint: disable=g-import-not-at-top  (in-process: conftest's 8 devices)
   for var in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS', 'SLURM_PROCID', 'TPU_WORKER_HOSTNAMES',
