@@ -6,9 +6,14 @@ per (batch, head) at --seq_len/--window, against the dense causal count, and
 checks the window layers against the bound 3/4 * causal + diagonal blocks
 (the band (i-W, i] covers 3/4 of the causal triangle when T = 2W).
 
-Part 2 (only when jax's default backend is a TPU) times the Pallas kernel and
-the XLA reference (model.reference_attention), forward and forward+backward,
-for head_dim 128 and 256 at the same width H*K, sliding and full layers.
+Part 2 (only when jax's default backend is a TPU) times the Pallas kernel
+against JAX's own splash attention (jax.experimental.pallas.ops.tpu.
+splash_attention, the kernel MaxText runs on TPU; at the better of
+--splash_blocks) and, with --reference, the XLA reference
+(model.reference_attention): forward and forward + backward, for head_dim 128
+and 256 at the same width H*K, on sliding, full and document-masked full
+layers, on the same inputs in the same run. Each row prints splash's time over
+ours: above 1 the kernel leads.
 
   .venv/bin/python bench/bench_attention.py
   .venv/bin/python bench/bench_attention.py --width=4096 --kv_ratio=1 --iters=20
@@ -42,8 +47,10 @@ _BATCH = flags.DEFINE_integer('batch', 1, 'B per device.')
 _ITERS = flags.DEFINE_integer('iters', 10, 'Timed iterations (after one warm-up).')
 _BLOCK_Q = flags.DEFINE_integer('block_q', None, 'Override the table (for tuning it).')
 _BLOCK_KV = flags.DEFINE_integer('block_kv', None, 'Override the table (for tuning it).')
+_SPLASH_BLOCKS = flags.DEFINE_list('splash_blocks', ['512', '1024'],
+                                   'Splash block sizes to try; its best is compared.')
 _REFERENCE = flags.DEFINE_bool(
-    'reference', True, 'Also time the XLA reference; it materialises B*H*T*T f32 '
+    'reference', False, 'Also time the XLA reference; it materialises B*H*T*T f32 '
     'logits (8.6 GB per sequence at the 7B shape).')
 
 
@@ -76,6 +83,35 @@ def print_visit_counts(seq_len: int, window: int) -> bool:
   return all_ok
 
 
+def splash(q_BTHK, k_BSGK, v_BSGK, *, window=None, segment_ids_BT=None, block=512,
+           interpret=False):
+  """JAX's splash attention on our layout and semantics (the scale, the window (i-W, i]).
+
+  Multi-head only (G = H, as the 7B); splash takes [H, T, K] per sequence and an
+  unscaled query, so the batch is vmapped and q pre-scaled by 1/sqrt(K).
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as sk, splash_attention_mask as sm)
+  _, t, h, k = q_BTHK.shape
+  if k_BSGK.shape[2] != h:
+    raise ValueError('the splash comparison is multi-head only: --kv_ratio=1')
+  one = (sm.CausalMask((t, t)) if window is None
+         else sm.LocalMask((t, t), window_size=(window - 1, 0), offset=0))
+  blocks = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                         block_q_dq=block, block_kv_dq=block)
+  kernel = sk.make_splash_mha(sm.MultiHeadMask([one] * h), block_sizes=blocks, head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
+  to_bhtk = lambda x: jnp.swapaxes(x, 1, 2)
+  q = to_bhtk(q_BTHK * (k ** -0.5)).astype(q_BTHK.dtype)
+  if segment_ids_BT is None:
+    out = jax.vmap(kernel)(q, to_bhtk(k_BSGK), to_bhtk(v_BSGK))
+  else:
+    out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(s, s)))(
+        q, to_bhtk(k_BSGK), to_bhtk(v_BSGK), segment_ids_BT)
+  return to_bhtk(out)
+
+
 def _useful_flops(b: int, h: int, k: int, t: int, window: int | None) -> float:
   """Forward matmul flops over visible (query, key) pairs: 2 matmuls x 2K each."""
   keys_per_query = np.minimum(np.arange(1, t + 1), t if window is None else window)
@@ -93,12 +129,30 @@ def _time(fn, *args) -> float:
   return float(np.median(times))
 
 
+def _documents(b: int, t: int, rng) -> jax.Array:
+  """Segment ids of documents of random lengths (mean 1,024 tokens) packed into rows."""
+  cuts = np.sort(rng.choice(np.arange(1, t), size=(b, t // 1024), replace=False), axis=1)
+  ids = np.zeros((b, t), np.int32)
+  for row, row_cuts in enumerate(cuts):
+    ids[row, row_cuts] = 1
+  return jnp.asarray(np.cumsum(ids, axis=1), jnp.int32)
+
+
+def _timed(attn, q, kv, seg, w):
+  """(fwd, fwd + bwd) median seconds of `attn` on one layer's inputs."""
+  fwd = jax.jit(lambda q, k, v, s: attn(q, k, v, window=w, segment_ids_BT=s))
+  loss = lambda q, k, v, s: jnp.sum(attn(q, k, v, window=w, segment_ids_BT=s).astype(
+      jnp.float32))
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  return _time(fwd, q, *kv, seg), _time(fwd_bwd, q, *kv, seg)
+
+
 def time_on_tpu(seq_len: int, window: int) -> None:
   info = pltpu.get_tpu_info()
   peak = info.bf16_ops_per_second * info.num_cores
   print(f'\n{jax.devices()[0].device_kind}: peak {peak / 1e12:.0f} bf16 TFLOP/s per device')
-  print(f'{"K":>4} {"H":>3} {"layer":>7} {"impl":>9} {"fwd ms":>8} {"fwd+bwd ms":>11}'
-        f' {"fwd TFLOP/s":>12} {"fwd+bwd TFLOP/s":>16}')
+  print(f'{"K":>4} {"H":>3} {"layer":>9} {"impl":>12} {"fwd ms":>8} {"fwd+bwd ms":>11}'
+        f' {"fwd+bwd TFLOP/s":>16} {"splash/ours fwd":>16} {"fwd+bwd":>8}')
   b = _BATCH.value
   for k in (128, 256):
     h = _WIDTH.value // k
@@ -107,29 +161,31 @@ def time_on_tpu(seq_len: int, window: int) -> None:
     q = jnp.asarray(rng.standard_normal((b, seq_len, h, k)), jnp.bfloat16)
     kv = [jnp.asarray(rng.standard_normal((b, seq_len, g, k)), jnp.bfloat16)
           for _ in range(2)]
-    for layer, w in (('sliding', window), ('full', None)):
-      impls = {'pallas': functools.partial(kernels.flash_attention,
-                                           block_q=_BLOCK_Q.value,
-                                           block_kv=_BLOCK_KV.value)}
+    documents = _documents(b, seq_len, rng)
+    for layer, w, seg in (('sliding', window, None), ('full', None, None),
+                          ('documents', None, documents)):
+      ours = functools.partial(kernels.flash_attention, block_q=_BLOCK_Q.value,
+                               block_kv=_BLOCK_KV.value)
+      results = {'pallas': _timed(ours, q, kv, seg, w)}
+      if g == h:  # splash's multi-head kernel; its best block size is the peer
+        tried = {n: _timed(functools.partial(splash, block=int(n)), q, kv, seg, w)
+                 for n in _SPLASH_BLOCKS.value}
+        best = min(tried, key=lambda n: tried[n][1])
+        results[f'splash {best}'] = tried[best]
       if _REFERENCE.value:
-        impls['xla'] = model.reference_attention
-      for name, attn in impls.items():
-        fwd = jax.jit(lambda q, k, v, attn=attn, w=w: attn(q, k, v, window=w))
-        loss = lambda q, k, v, attn=attn, w=w: jnp.sum(
-            attn(q, k, v, window=w).astype(jnp.float32))
-        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         try:
-          t_fwd = _time(fwd, q, *kv)
-          t_all = _time(fwd_bwd, q, *kv)
+          results['xla'] = _timed(model.reference_attention, q, kv, seg, w)
         except jax.errors.JaxRuntimeError as e:  # the reference can run out of HBM
-          print(f'{k:>4} {h:>3} {layer:>7} {name:>9}  failed: {str(e)[:80]}')
-          continue
-        flops = _useful_flops(b, h, k, seq_len, w)
+          print(f'{k:>4} {h:>3} {layer:>9} {"xla":>12}  failed: {str(e)[:80]}')
+      flops = _useful_flops(b, h, k, seq_len, w)
+      peer = next((v for n, v in results.items() if n.startswith('splash')), None)
+      for name, (t_fwd, t_all) in results.items():
         # Backward counted as 2.5x forward (S once, dP, dV, dQ, dK), the usual
         # convention; the kernels run 7 matmuls (S and dP in both kernels).
-        print(f'{k:>4} {h:>3} {layer:>7} {name:>9} {t_fwd * 1e3:>8.2f}'
-              f' {t_all * 1e3:>11.2f} {flops / t_fwd / 1e12:>12.1f}'
-              f' {3.5 * flops / t_all / 1e12:>16.1f}')
+        ratios = (f' {peer[0] / t_fwd:>16.3f} {peer[1] / t_all:>8.3f}'
+                  if peer and name == 'pallas' else '')
+        print(f'{k:>4} {h:>3} {layer:>9} {name:>12} {t_fwd * 1e3:>8.2f}'
+              f' {t_all * 1e3:>11.2f} {3.5 * flops / t_all / 1e12:>16.1f}{ratios}', flush=True)
 
 
 def main(argv):

@@ -1,7 +1,7 @@
 """The first accelerator check: the 7B's layer shapes on one GPU or TPU, in under 8 minutes.
 
     python bench/device_check.py [--out=result.json]     # one GPU (e.g. H200)
-    python bench/device_check.py --layers=2 --vocab=8192   # one TPU v5e (15.7 GiB)
+    python bench/device_check.py --layers=2 --vocab=8192 --fit --hd256   # one TPU v5e (15.7 GiB)
     JAX_PLATFORMS=cpu python bench/device_check.py --tiny  # the same script in miniature
 
 A slice of the 7B (configs/olmo3_7b.py: d_model 4096, 32 heads, seq 8192, bf16
@@ -12,8 +12,21 @@ state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
 
   step        train.make_train_step's time per step (median of --steps after
               the compile) and MFU against metrics.PEAK_FLOPS for the chip
-  memory      device.memory_stats() peak against plan.py's prediction for the
-              same config (computed in a CPU child process, as plan.py does)
+  memory      the step alone, in a process of its own: the executable's own
+              memory_analysis() on the device and device.memory_stats()'s
+              peak, against plan.py's prediction for the same slice, made in
+              a CPU child: by libtpu's compile for the chip's one-chip
+              topology where libtpu is installed (a TPU host), else by the CPU
+              compile. The check fails when the device's compile and the plan
+              differ by more than 3%.
+  fit         (--fit, TPU) the most sequences per step that plan.py says fit
+              the chip (libtpu compiles, peak under the chip's bytes_limit),
+              n = 1, 2, ... up to --fit_max; then, each in a process of its
+              own, a step of n sequences must run and one of n + 1 must fail
+              with out-of-memory. Either surprise fails the check.
+  hd256       (--hd256) the same step with configs/olmo3_7b_hd256.py's heads
+              (16 x 256, same parameters and FLOPs) in a child, beside the
+              32 x 128 step of this run: their time ratio
   attention   on a GPU jax.nn.dot_product_attention implementation='cudnn'
               against 'xla'; on a TPU the compiled Pallas kernel (kernels/)
               against model.reference_attention under XLA, outputs and
@@ -22,8 +35,9 @@ state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
               model.reference_attention)
   restart     a child process compiles and runs one step, twice, on one
               persistent compilation cache (goodput.compilation_cache): the
-              second is a warm restart. It runs first: a TPU is held by one
-              process at a time, so the parent opens the device after it.
+              second is a warm restart. The children run first (restart,
+              memory, fit, hd256): a TPU is held by one process at a time, so
+              the parent opens the device after them.
 
 Prints one line per check and, with --out, writes every number as JSON.
 --tiny shrinks everything (d_model 64, seq 128) so the test suite runs it on
@@ -53,8 +67,8 @@ def slice_config(args):
   cfg.model.num_layers = args.layers
   if args.layers % len(cfg.model.layer_pattern):  # 2 layers: 'SF', one sliding and the full
     cfg.model.layer_pattern = cfg.model.layer_pattern[-args.layers:]
-  cfg.data.global_batch_size = jax.device_count() if not args.predict else 1
-  cfg.train.micro_batch_size = 1
+  cfg.data.global_batch_size = args.sequences * (jax.device_count() if not args.predict else 1)
+  cfg.train.micro_batch_size = args.sequences
   cfg.train.eval_tasks = ()
   if args.tiny:
     m = cfg.model
@@ -62,6 +76,9 @@ def slice_config(args):
     m.sliding_window, m.vocab_size, m.dtype, m.remat = 32, 512, 'float32', 'none'
     cfg.data.seq_len, cfg.data.vocab_size = 128, 500
     cfg.data.eos_token_id, cfg.data.pad_token_id = 0, 1
+  if args.hd256:  # configs/olmo3_7b_hd256.py's co-design: 16 x 256 = 32 x 128
+    cfg.model.num_heads = cfg.model.num_kv_heads = cfg.model.num_heads // 2
+    cfg.model.head_dim *= 2
   if args.vocab:
     cfg.model.vocab_size = cfg.data.vocab_size = args.vocab
     cfg.data.eos_token_id, cfg.data.pad_token_id = 0, 1
@@ -93,13 +110,15 @@ def check_step(cfg, args) -> dict:
   import model  # pylint: disable=import-outside-toplevel
   step, state, batch = step_setup(cfg)
   start = time.perf_counter()
-  state, out = step(state, batch)
+  compiled = step.lower(state, batch).compile()
+  memory = compiled.memory_analysis()
+  state, out = compiled(state, batch)
   jax.block_until_ready(out)
   compile_s = time.perf_counter() - start
   times = []
   for _ in range(args.steps):
     start = time.perf_counter()
-    state, out = step(state, batch)
+    state, out = compiled(state, batch)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - start)
   seconds = float(np.median(times))
@@ -111,7 +130,12 @@ def check_step(cfg, args) -> dict:
           'step (s)': seconds, 'tokens/s': tokens / seconds,
           'MFU': flops / seconds / peak if peak else None, 'peak FLOP/s': peak,
           'loss': float(out['train/CE loss']),
-          'measured peak (GB)': stats.get('peak_bytes_in_use', 0) / 1e9 or None}
+          'measured peak (GB)': stats.get('peak_bytes_in_use', 0) / 1e9 or None,
+          'bytes limit (GB)': stats.get('bytes_limit', 0) / 1e9 or None,
+          # What the device's own compile of this step allocates, as plan.py counts it.
+          'compiled peak (GB)': (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                 - memory.alias_size_in_bytes
+                                 + memory.temp_size_in_bytes) / 1e9}
 
 
 def check_attention(cfg) -> dict:
@@ -169,43 +193,122 @@ def pallas_vs_xla(t: int, head_dim: int, window: int | None, heads: int = 4) -> 
           'ok': max(errors.values()) < 2e-2}
 
 
-def slice_flags(args) -> list[str]:
-  return [f'--layers={args.layers}', f'--vocab={args.vocab}'] + (['--tiny'] if args.tiny else [])
+def slice_flags(args, **changes) -> list[str]:
+  """The flags that make a child's slice this run's (with `changes`)."""
+  v = {**vars(args), **changes}
+  return ([f"--layers={v['layers']}", f"--vocab={v['vocab']}", f"--steps={v['steps']}",
+           f"--sequences={v['sequences']}"] + (['--tiny'] if v['tiny'] else [])
+          + (['--hd256'] if v['hd256'] else []))
 
 
-def predicted_peak(args, device) -> float | None:
-  """plan.py's per-device peak (GB) for the slice on `device`, computed in a CPU child."""
-  import kernels  # pylint: disable=import-outside-toplevel
-  chips = {kind: chip for chip, (kind, _) in kernels.TPU_DEVICE_KINDS.items()}
-  cmd = [sys.executable, os.path.abspath(__file__), '--predict', *slice_flags(args),
-         f'--platform={device.platform}', f'--chip={chips.get(device.device_kind, "v5p")}']
-  env = dict(os.environ, JAX_PLATFORMS='cpu')  # keeps the child off the parent's chip
-  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+def _child(flags: list[str], env=None, timeout=600) -> dict:
+  """Runs this script with `flags` in a process of its own; its last line as JSON."""
+  cmd = [sys.executable, os.path.abspath(__file__), *flags]
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+  if out.returncode and 'lockfile' in out.stderr:  # a TPU not yet freed by the last holder
+    time.sleep(5)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
   if out.returncode:
-    print(f'plan prediction failed: {out.stderr[-2000:]}', flush=True)
-    return None
-  return json.loads(out.stdout.strip().splitlines()[-1])['predicted peak (GB)']
+    raise SystemExit(f'child {flags} failed: {out.stderr[-3000:]}')
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _plan_env() -> dict:
+  """A child that plans on the CPU, off the parent's chip (libtpu compiles, opens none)."""
+  return dict(os.environ, JAX_PLATFORMS='cpu')
+
+
+def check_memory(args) -> dict:
+  """The step alone in a child, against plan.py's peak for it (3% or the check fails)."""
+  step = _child(['--step_child', *slice_flags(args)])
+  predicted = _child(['--predict', *slice_flags(args), f"--device_kind={step['device']}"],
+                     env=_plan_env())
+  ratio = step['compiled peak (GB)'] / predicted['predicted peak (GB)']
+  # The plan is held to 3% where it compiles what the device runs: libtpu for a TPU,
+  # the CPU compile for a CPU. For a GPU it is the CPU compile's estimate (a stand-in
+  # for cuDNN's kernel): the ratio is reported, not judged.
+  judged = step['device'] == 'cpu' or predicted['planned by'].startswith('libtpu')
+  return {'step': step, **predicted, 'compiled / predicted': ratio,
+          'ok': abs(ratio - 1) <= 0.03 or not judged}
+
+
+def check_fit(args, limit_gb: float, kind: str) -> dict:
+  """The most sequences the plan fits under `limit_gb` runs on the chip; one more fails."""
+  plans = _child(['--predict_fit', *slice_flags(args), f'--device_kind={kind}',
+                  f'--limit_gb={limit_gb}'], env=_plan_env(), timeout=3000)
+  n = plans['most sequences']
+  if not n:
+    return {**plans, 'ok': False, 'why': 'the plan fits not even one sequence'}
+  runs = {k: _child(['--step_child', *slice_flags(args, sequences=k, steps=1)])
+          for k in (n, n + 1)}
+  fits, one_more = runs[n], runs[n + 1]
+  ok = 'out of memory' not in fits and 'out of memory' in one_more
+  return {**plans, 'runs': runs, 'ok': ok}
+
+
+def _topology(kind: str) -> str:
+  """The one-chip slice libtpu names for a device kind ('TPU v5 lite' -> 'v5e:1x1')."""
+  import kernels  # pylint: disable=import-outside-toplevel
+  import plan  # pylint: disable=import-outside-toplevel
+  chips = {k: chip for chip, (k, _) in kernels.TPU_DEVICE_KINDS.items()}
+  chips['TPU v5'] = 'v5p'
+  chip = chips.get(kind)
+  gen = next((g for g, (_, c, _) in plan.TPU_GENERATIONS.items() if c == chip), None)
+  if gen is None:
+    return ''
+  return f'{gen}:1x1' if gen in ('v5e', 'v6e') else f'{gen}:1x1x1'
+
+
+def _predict_one(args):
+  import plan  # pylint: disable=import-outside-toplevel
+  cfg = slice_config(args)
+  topology = _topology(args.device_kind) if plan.libtpu_version() else ''
+  if topology:
+    return plan.tpu_plan(cfg, topology), f'libtpu for {topology}'
+  platform = 'cpu' if args.device_kind == 'cpu' else 'gpu' if 'TPU' not in args.device_kind else 'tpu'
+  return (plan.make_plan(cfg, platform=platform, devices=jax.devices()[:1]),
+          'the CPU compile')
+
+
+def predict(args) -> None:
+  p, how = _predict_one(args)
+  print(json.dumps({'predicted peak (GB)': p.peak_bytes / 1e9, 'planned by': how}))
+
+
+def predict_fit(args) -> None:
+  """How many sequences per step the plan fits under --limit_gb, trying 1, 2, ..."""
+  peaks = {}
+  for n in range(1, args.fit_max + 1):
+    args.sequences = n
+    p, how = _predict_one(args)
+    peaks[n] = None if p.out_of_memory else p.peak_bytes / 1e9
+    if peaks[n] is None or peaks[n] > args.limit_gb:
+      break
+  fitting = [n for n, gb in peaks.items() if gb is not None and gb <= args.limit_gb]
+  print(json.dumps({'planned peaks (GB)': peaks, 'limit (GB)': args.limit_gb,
+                    'most sequences': max(fitting, default=0), 'planned by': how}))
+
+
+def step_child(args) -> None:
+  """One step check in this process; an out-of-memory step is reported, not raised."""
+  try:
+    print(json.dumps(check_step(slice_config(args), args)))
+  except Exception as e:  # pylint: disable=broad-except
+    if 'RESOURCE_EXHAUSTED' not in str(e) and 'out of memory' not in str(e).lower():
+      raise
+    print(json.dumps({'out of memory': str(e).splitlines()[0][:500]}))
 
 
 def check_restart(args) -> dict:
   """A child compiles and runs one step, twice, on one fresh persistent cache."""
   with tempfile.TemporaryDirectory() as cache:
-    cmd = [sys.executable, os.path.abspath(__file__), '--child', f'--cache={cache}',
-           *slice_flags(args)]
     env = dict(os.environ)
     env.pop('JAX_COMPILATION_CACHE_DIR', None)
     runs = []
     for _ in range(2):
       start = time.perf_counter()
-      out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-      if out.returncode and 'lockfile' in out.stderr:  # a TPU not yet freed by the last holder
-        time.sleep(5)
-        start = time.perf_counter()
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-      if out.returncode:
-        raise SystemExit(f'restart child failed: {out.stderr[-3000:]}')
-      runs.append({'process (s)': time.perf_counter() - start,
-                   **json.loads(out.stdout.strip().splitlines()[-1])})
+      out = _child(['--child', f'--cache={cache}', *slice_flags(args)], env=env)
+      runs.append({'process (s)': time.perf_counter() - start, **out})
   return {'cold': runs[0], 'warm': runs[1],
           'warm/cold first step': runs[1]['first step (s)'] / runs[0]['first step (s)']}
 
@@ -223,11 +326,35 @@ def child(args) -> None:
   print(json.dumps({'first step (s)': time.perf_counter() - start, 'cache hits': len(hits)}))
 
 
-def predict(args) -> None:
-  import plan  # pylint: disable=import-outside-toplevel
-  cfg = slice_config(args)
-  p = plan.make_plan(cfg, platform=args.platform, chip=args.chip, devices=jax.devices()[:1])
-  print(json.dumps({'predicted peak (GB)': p.peak_bytes / 1e9}))
+def _run_children(args, result: dict) -> None:
+  """Every check that needs the device to itself, before this process opens it."""
+  result['restart'] = r = check_restart(args)
+  print(f"restart: first step cold {r['cold']['first step (s)']:.1f}s, warm "
+        f"{r['warm']['first step (s)']:.1f}s ({r['warm']['cache hits']} cache hits)",
+        flush=True)
+  result['memory'] = m = check_memory(args)
+  step = m['step']
+  print(f"memory: the step alone compiles to {step['compiled peak (GB)']:.2f} GB on "
+        f"{step['device']} (runtime peak reading {step['measured peak (GB)']} GB), plan.py "
+        f"({m['planned by']}) predicts {m['predicted peak (GB)']:.2f} GB: "
+        f"{m['compiled / predicted']:.3f}x {'ok' if m['ok'] else 'FAILED'}", flush=True)
+  if args.fit:
+    if not step.get('bytes limit (GB)'):
+      result['fit'] = {'ok': True, 'skipped': f"{step['device']} reports no memory limit"}
+      print(f"fit: skipped, {result['fit']['skipped']}", flush=True)
+    else:
+      result['fit'] = f = check_fit(args, step['bytes limit (GB)'], step['device'])
+      runs = {k: 'out of memory' if 'out of memory' in v else 'ran'
+              for k, v in f.get('runs', {}).items()}
+      print(f"fit: the plan fits {f['most sequences']} sequences in "
+            f"{step['bytes limit (GB)']:.2f} GB; on the chip {runs}: "
+            f"{'ok' if f['ok'] else 'FAILED'}", flush=True)
+  if args.compare_hd256 and not args.hd256:
+    wide = _child(['--step_child', *slice_flags(args, hd256=True)])
+    result['hd256'] = {'step': wide, '16x256 / 32x128 time': wide['step (s)'] / step['step (s)']}
+    print(f"hd256: half the heads at twice the head_dim {wide['step (s)'] * 1e3:.1f} ms vs "
+          f"{step['step (s)'] * 1e3:.1f} ms: {result['hd256']['16x256 / 32x128 time']:.3f}x "
+          f"the time, MFU {wide['MFU']:.3f} vs {step['MFU']:.3f}", flush=True)
 
 
 def main() -> None:
@@ -237,27 +364,35 @@ def main() -> None:
   p.add_argument('--vocab', type=int, default=0,
                  help="vocabulary size of the slice (0: the 7B's); a multiple of 128")
   p.add_argument('--steps', type=int, default=5)
+  p.add_argument('--sequences', type=int, default=1, help='sequences per step and device')
+  p.add_argument('--fit', action='store_true',
+                 help='the fit test: the most sequences the plan fits run, one more fails')
+  p.add_argument('--fit_max', type=int, default=8, help='the fit test tries up to this many')
+  p.add_argument('--hd256', action='store_true',
+                 help="the whole check with configs/olmo3_7b_hd256.py's 16 x 256 heads")
+  p.add_argument('--compare_hd256', action='store_true',
+                 help='also time the 16 x 256 step in a child, beside the 32 x 128 one')
   p.add_argument('--out', default='', help='write every number here as JSON')
-  p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
-  p.add_argument('--predict', action='store_true', help=argparse.SUPPRESS)
-  p.add_argument('--platform', default='gpu', help=argparse.SUPPRESS)
-  p.add_argument('--chip', default='v5p', help=argparse.SUPPRESS)
+  for hidden in ('--child', '--predict', '--predict_fit', '--step_child'):
+    p.add_argument(hidden, action='store_true', help=argparse.SUPPRESS)
+  p.add_argument('--device_kind', default='cpu', help=argparse.SUPPRESS)
+  p.add_argument('--limit_gb', type=float, default=0.0, help=argparse.SUPPRESS)
   p.add_argument('--cache', default='', help=argparse.SUPPRESS)
   args = p.parse_args()
-  if args.layers < 1 or args.steps < 1 or args.vocab < 0 or args.vocab % 128:
-    p.error('--layers and --steps must be at least 1, --vocab 0 or a multiple of 128')
-  if args.child:
-    return child(args)
-  if args.predict:
-    return predict(args)
+  if (args.layers < 1 or args.steps < 1 or args.sequences < 1 or args.fit_max < 1
+      or args.vocab < 0 or args.vocab % 128):
+    p.error('--layers, --steps, --sequences and --fit_max must be at least 1, --vocab 0 or a '
+            'multiple of 128')
+  for hidden, run in (('child', child), ('predict', predict), ('predict_fit', predict_fit),
+                      ('step_child', step_child)):
+    if getattr(args, hidden):
+      return run(args)
   began = time.perf_counter()
-  restart = check_restart(args)  # first: its children need the device to themselves
-  print(f"restart: first step cold {restart['cold']['first step (s)']:.1f}s, warm "
-        f"{restart['warm']['first step (s)']:.1f}s ({restart['warm']['cache hits']} cache hits)",
-        flush=True)
+  result = {'tiny': args.tiny, 'layers': args.layers, 'vocab': args.vocab,
+            'head_dim': 256 if args.hd256 else 128}
+  _run_children(args, result)
   device = jax.devices()[0]
-  result = {'platform': device.platform, 'tiny': args.tiny, 'layers': args.layers,
-            'vocab': args.vocab, 'restart': restart}
+  result['platform'] = device.platform
   cfg = slice_config(args)
   result['attention'] = check_attention(cfg)
   for name, a in result['attention'].items():
@@ -267,14 +402,12 @@ def main() -> None:
   print(f"step: {s['step (s)'] * 1e3:.1f} ms, {s['tokens/s']:,.0f} tok/s, MFU "
         f"{s['MFU'] if s['MFU'] is None else round(s['MFU'], 3)} on {s['device']} "
         f"(compile + first step {s['compile+first step (s)']:.1f}s)", flush=True)
-  result['predicted peak (GB)'] = predicted_peak(args, device)
-  print(f"memory: measured peak {s['measured peak (GB)']} GB, plan.py predicts "
-        f"{result['predicted peak (GB)']} GB", flush=True)
   result['seconds'] = time.perf_counter() - began
   if args.out:
     with open(args.out, 'w') as f:
       json.dump(result, f, indent=1)
-  ok = all(a['ok'] for a in result['attention'].values())
+  checks = [*result['attention'].values(), result['memory'], result.get('fit', {'ok': True})]
+  ok = all(c['ok'] for c in checks)
   print(f"device check {'passed' if ok else 'FAILED'} in {result['seconds']:.0f}s", flush=True)
   sys.exit(0 if ok else 1)
 

@@ -28,6 +28,7 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -113,17 +114,19 @@ def _element(shape: str, index: str) -> str:
   return parts[int(index)].strip()
 
 
-def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], float]:
-  """(GB per term of the buffers live at the step's peak, the peak in GB), from XLA's
-  live-range dump of the compile and the optimized HLO's shapes."""
-  (live,) = glob.glob(os.path.join(dump_dir, '*jit_train_step*after_optimizations-live-range.txt'))
-  (hlo,) = glob.glob(os.path.join(dump_dir, '*jit_train_step*after_optimizations.txt'))
+def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], dict[str, float]]:
+  """(GB per term, GB per dtype) of the buffers live at the peak of the last train step
+  compiled into `dump_dir`, from XLA's live ranges and the optimized HLO's shapes."""
+  def last(suffix):
+    return max(glob.glob(os.path.join(dump_dir, f'*jit_train_step*{suffix}')))
+  live, hlo = last('after_optimizations-live-range.txt'), last('after_optimizations.txt')
   shapes = {}
   for line in open(hlo):
     match = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(', line)
     if match:
       shapes[match.group(1)] = match.group(2)
   terms: dict[str, float] = {}
+  dtypes: dict[str, float] = {}
   at_peak = False
   for line in open(live):
     if '(peak):' in line:
@@ -134,9 +137,20 @@ def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], float]:
       break
     if at_peak:
       name, index, size = match.groups()
-      term = classify(name, _element(shapes.get(name, ''), index.split(',')[0]), cfg)
+      shape = _element(shapes.get(name, ''), index.split(',')[0])
+      term, dtype = classify(name, shape, cfg), shape.split('[')[0] or '?'
       terms[term] = terms.get(term, 0.0) + int(size) / GB
-  return terms, sum(terms.values())
+      dtypes[dtype] = dtypes.get(dtype, 0.0) + int(size) / GB
+  return terms, dtypes
+
+
+def print_breakdown(dump_dir: str, cfg) -> None:
+  terms, dtypes = breakdown(dump_dir, cfg)
+  by_dtype = ', '.join(f'{d} {gb:.2f}' for d, gb in sorted(dtypes.items(), key=lambda kv: -kv[1])
+                       if gb >= 0.005)
+  print(f'    live at the peak: {sum(terms.values()):.2f} GB ({by_dtype})', flush=True)
+  for term, gb in sorted(terms.items(), key=lambda kv: -kv[1]):
+    print(f'      {term:72s} {gb:6.2f} GB', flush=True)
 
 
 def cpu_plan(cfg, target: int, devices: int = 8):
@@ -159,10 +173,7 @@ def run_row(label, name, topology, overrides, args) -> None:
         f'{p.peak_bytes / GB:.2f} GB/device; {verdict} '
         f'({time.perf_counter() - start:.0f} s)', flush=True)
   if args.breakdown and not c.out_of_memory:
-    terms, peak = breakdown(args.dump, cfg)
-    print(f'    live at the peak: {peak:.2f} GB', flush=True)
-    for term, gb in sorted(terms.items(), key=lambda kv: -kv[1]):
-      print(f'      {term:72s} {gb:6.2f} GB', flush=True)
+    print_breakdown(args.dump, cfg)
   if args.group in ('cpu_vs_tpu', 'slice'):
     devices = 1 if args.group == 'slice' else 8
     cpu = cpu_plan(cfg, c.devices, devices)
@@ -170,6 +181,8 @@ def run_row(label, name, topology, overrides, args) -> None:
           f"{', extrapolated' if cpu.temp_extrapolated else ''}): temp "
           f'{cpu.temp_bytes / GB:.2f} GB, peak {cpu.peak_bytes / GB:.2f} GB/device = '
           f'{cpu.peak_bytes / p.peak_bytes:.2f}x the TPU compile', flush=True)
+    if args.breakdown:  # the CPU compile on the most devices
+      print_breakdown(args.dump, cfg)
 
 
 def main() -> None:
@@ -194,9 +207,9 @@ def main() -> None:
   for group in groups:
     args.group = group
     for row in ROWS[group]:
-      for old in glob.glob(os.path.join(args.dump, '*')):
-        os.remove(old)
+      shutil.rmtree(args.dump, ignore_errors=True)  # one compile's dump at a time
       run_row(*row, args)
+  shutil.rmtree(args.dump, ignore_errors=True)
   print(f'load {os.getloadavg()[0]:.2f}', flush=True)
 
 

@@ -44,23 +44,28 @@ class BlockSizes(NamedTuple):
 #   a forward step does 4*Q*C*K flops per 4*C*K bytes: Q flops per byte. Q
 #   should reach the chip's bf16 flops per HBM byte (pltpu.get_tpu_info_for_chip:
 #   v5e ~240, v5p ~190, 7x ~310, v6e ~560) to stay MXU-bound, hence 1024 on
-#   v6e and 512 elsewhere. Q also sets the window band's waste: a q block of
-#   Q rows spans W + Q keys for W keys of work per row, so at W=4096 Q=512
-#   visits ~11% masked-out entries and Q=1024 ~20%; 512 wherever it suffices.
+#   v6e and 512 elsewhere (v5e measured fastest at 1024 all the same). Q also
+#   sets the window band's waste: a q block of Q rows spans W + Q keys for W
+#   keys of work per row, so at W=4096 Q=512 visits ~11% masked-out entries
+#   and Q=1024 ~20%.
 # - C (block_kv) = 512 amortises the ~0.35us fixed cost of a grid step over
 #   0.27-1 GFLOP and divides T=8192 and W=4096 evenly.
 # - head_dim 256 doubles the q/k/v/accumulator tiles but not the f32 [Q, C]
 #   logits tiles, so the same blocks fit: the largest entry (Q=1024, C=512,
 #   K=256) needs about 16 MiB of VMEM in the backward (four f32 [Q, C]
 #   temporaries 8 MiB, double-buffered q/do/k/v 3 MiB, accumulators and
-#   outputs 2 MiB, segment-id tiles 1 MiB), under _VMEM_LIMIT_BYTES below.
+#   outputs 2 MiB, segment-id tiles 1 MiB), under _VMEM_LIMIT_BYTES below;
+#   v5e's Q=C=1024 about 28 MiB.
+# - v5e's entries are measured (forward + backward on the chip, where training
+#   spends its time); the other chips' are reasoned from the figures above and
+#   checked to compile by Mosaic (tests/test_tpu_compile.py), not timed.
 # - 'interpret' is used off-TPU (CPU tests in interpret mode): the smallest
 #   legal blocks, so short test sequences still span several blocks.
 _BLOCK_TABLE: dict[tuple[str, int], BlockSizes] = {
     ('v4', 128): BlockSizes(512, 512),
     ('v4', 256): BlockSizes(512, 512),
-    ('v5e', 128): BlockSizes(512, 512),
-    ('v5e', 256): BlockSizes(512, 512),
+    ('v5e', 128): BlockSizes(1024, 1024),  # measured on a v5e: docs/results/kernels.md
+    ('v5e', 256): BlockSizes(1024, 1024),
     ('v5p', 128): BlockSizes(512, 512),
     ('v5p', 256): BlockSizes(512, 512),
     ('v6e', 128): BlockSizes(1024, 512),

@@ -36,7 +36,8 @@ CPU_FLAGS = ('--xla_cpu_enable_concurrency_optimized_scheduler=false',)
 # host that plans pods with plan.py --topology) asks a TPU VM's metadata server for the
 # slice it is on when it loads, and prints three lines of warnings when none answers.
 # These placeholders answer for it; a TPU VM's own values win.
-LIBTPU_PLACEHOLDERS = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost'}
+LIBTPU_PLACEHOLDERS = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost',
+                       'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 _GOOGLE_PCI_VENDOR = '0x1ae0'  # TPU chips are PCI devices of their host
 
 

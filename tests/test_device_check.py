@@ -21,13 +21,19 @@ def test_tiny_device_check_runs_and_reports_every_number(tmp_path):
   out = tmp_path / 'result.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--tiny',
-                         f'--out={out}', '--steps=2'], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=900)
+                         f'--out={out}', '--steps=2', '--fit', '--compare_hd256'], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert 'device check passed' in proc.stdout
   r = json.loads(out.read_text())
   assert r['platform'] == 'cpu' and r['tiny']
   assert all(a['ok'] for a in r['attention'].values())
   assert r['step']['step (s)'] > 0 and r['step']['MFU'] > 0
-  assert r['predicted peak (GB)'] > 0
+  # The step alone, in its own process, against plan.py's CPU compile of the same program.
+  memory = r['memory']
+  assert memory['ok'] and memory['planned by'] == 'the CPU compile'
+  assert abs(memory['compiled / predicted'] - 1) <= 0.03
+  assert memory['step']['compiled peak (GB)'] > 0 and memory['step']['device'] == 'cpu'
+  assert 'skipped' in r['fit']  # a CPU has no memory limit to fit
+  assert r['hd256']['step']['step (s)'] > 0 and r['hd256']['16x256 / 32x128 time'] > 0
   assert r['restart']['cold']['cache hits'] == 0 < r['restart']['warm']['cache hits']

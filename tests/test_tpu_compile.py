@@ -14,6 +14,7 @@ sets ALLOW_MULTIPLE_LIBTPU_LOAD, safe because a compile for a described slice ne
 opens a chip; test_parallel_loads_share_the_lock runs that race on purpose.
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -21,11 +22,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import pytest
 
 import config_checks
 import kernels
+import model
 from kernels import xla
 import optim
 import plan
@@ -182,3 +185,56 @@ def test_libtpu_stays_quiet_on_a_host_without_tpu_chips():
   assert proc.returncode == 0 and proc.stdout.strip() == 'cpu', proc.stderr[-2000:]
   assert not xla.has_tpu_chips()
   assert 'TPU' not in proc.stderr and 'E0000' not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_device_check_plans_the_chips_fit_with_libtpu():
+  """bench/device_check.py --fit's planning half (the chip runs the other): libtpu's compile
+  of the slice for the chip's one-chip topology, one more sequence per step each time."""
+  proc = subprocess.run([sys.executable, 'bench/device_check.py', '--predict_fit', '--tiny',
+                         '--device_kind=TPU v5 lite', '--limit_gb=15', '--fit_max=2'],
+                        cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r['planned by'] == 'libtpu for v5e:1x1' and r['most sequences'] == 2
+  one, two = r['planned peaks (GB)']['1'], r['planned peaks (GB)']['2']
+  assert 0 < one < two < 15  # a second sequence's activations and batch
+
+
+# bench/bench_attention.py's peer, JAX's splash attention: it must compute what the kernel
+# computes (scale, window, documents), and compile for the chip it is timed on.
+
+def _bench_attention():
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, str(REPO / 'bench'))
+  import bench_attention  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(['bench_attention'])
+  return bench_attention
+
+
+@pytest.mark.parametrize('window,documents', [(None, False), (200, False), (200, True)])
+def test_splash_peer_computes_the_models_attention(window, documents):
+  rng = np.random.default_rng(window or 0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 128)), jnp.float32) for _ in range(3))
+  seg = jnp.asarray(np.cumsum(np.isin(np.arange(512), [100, 300]))[None], jnp.int32)
+  seg = seg if documents else None
+  want = model.reference_attention(q, k, v, window=window, segment_ids_BT=seg)
+  got = _bench_attention().splash(q, k, v, window=window, segment_ids_BT=seg, block=128,
+                                  interpret=True)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_splash_peer_compiles_for_the_v5e():
+  mesh = Mesh(plan.tpu_devices('v5e:1x1'), ('x',))
+  replicated = NamedSharding(mesh, P())
+  x = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16, sharding=replicated)
+  seg = jax.ShapeDtypeStruct((1, 8192), jnp.int32, sharding=replicated)
+  splash = _bench_attention().splash
+
+  def loss(q, k, v, s):
+    return jnp.sum(splash(q, k, v, segment_ids_BT=s, block=1024).astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg).compile()
+  assert 'tpu_custom_call' in compiled.as_text()
