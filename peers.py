@@ -60,34 +60,44 @@ class _Watch(threading.Thread):
     super().__init__(name='peer-watch', daemon=True)
     self.client, self.index, self.count, self.address = client, index, count, address
     self.heartbeat_timeout = heartbeat_timeout
-    self.interval = max(0.5, min(5.0, heartbeat_timeout / 5))  # well inside the timeout
+    self.interval = max(0.25, min(5.0, heartbeat_timeout / 10))  # well inside the timeout
+    self.beat = 0
     self.values: dict[int, str] = {}
-    self.changed: dict[int, float] = {}
+    self.changed: dict[int, float] = {}  # when this process saw each counter change
     self.polled: float | None = None  # the last time the store answered
     self.stop = threading.Event()
 
   def run(self) -> None:
-    beat = 0
-    while not self.stop.wait(self.interval if beat else 0):
-      beat += 1
-      try:
-        self.client.key_value_set(f'{KEY}/{self.index}', str(beat), allow_overwrite=True)
-        seen = dict(self.client.key_value_dir_get(f'{KEY}/'))
-      except Exception:  # pylint: disable=broad-except  # the store unreachable: see lost()
-        continue
-      now = time.monotonic()
-      for i in range(self.count):
-        value = seen.get(f'{KEY}/{i}')
-        if i not in self.changed or value != self.values.get(i):
-          self.values[i], self.changed[i] = value, now
-      self.polled = now
+    while not self.stop.wait(self.interval if self.beat else 0):
+      self.poll()
+
+  def poll(self) -> None:
+    """Bumps this process's counter and reads everyone's."""
+    self.beat += 1
+    try:
+      self.client.key_value_set(f'{KEY}/{self.index}', str(self.beat), allow_overwrite=True)
+      seen = dict(self.client.key_value_dir_get(f'{KEY}/'))
+    except Exception:  # pylint: disable=broad-except  # the store unreachable: see message()
+      return
+    now = time.monotonic()
+    for i in range(self.count):
+      value = seen.get(f'{KEY}/{i}')
+      if i not in self.changed or value != self.values.get(i):
+        self.values[i], self.changed[i] = value, now
+    self.polled = now
 
   def lost(self) -> list[int]:
-    """The peers whose counters had stopped when the store last answered."""
+    """The peers whose counters had stopped, by one more look at the store (this thread
+    may have been starved for a while on a loaded host) that waits at most a few seconds:
+    a lost peer's counter stopped about a heartbeat timeout ago, a live one's just moved."""
+    look = threading.Thread(target=self.poll, name='peer-look', daemon=True)
+    look.start()
+    look.join(min(5.0, 4 * self.interval))
     if self.polled is None:
       return []
+    stale = max(2 * self.interval, self.heartbeat_timeout / 2)
     return [i for i in range(self.count) if i != self.index
-            and self.polled - self.changed[i] > 3 * self.interval]
+            and self.polled - self.changed[i] > stale]
 
 
 def watch(client: Any, index: int, count: int, address: str, heartbeat_timeout: int) -> None:
