@@ -45,6 +45,7 @@ CPU (tests/test_device_check.py) and the script cannot rot.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -116,11 +117,14 @@ def check_step(cfg, args) -> dict:
   jax.block_until_ready(out)
   compile_s = time.perf_counter() - start
   times = []
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    state, out = compiled(state, batch)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - start)
+  # --profile: a jax.profiler trace of the timed steps (TensorBoard's profile plugin or
+  # xprof read it: matmuls, the kernels, the loss, the update, idle time).
+  with jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext():
+    for _ in range(args.steps):
+      start = time.perf_counter()
+      state, out = compiled(state, batch)
+      jax.block_until_ready(out)
+      times.append(time.perf_counter() - start)
   seconds = float(np.median(times))
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   peak = metrics.peak_flops(cfg.train)
@@ -373,6 +377,8 @@ def main() -> None:
   p.add_argument('--compare_hd256', action='store_true',
                  help='also time the 16 x 256 step in a child, beside the 32 x 128 one')
   p.add_argument('--out', default='', help='write every number here as JSON')
+  p.add_argument('--profile', default='', help="a jax.profiler trace of this process's timed "
+                 'steps into this directory')
   for hidden in ('--child', '--predict', '--predict_fit', '--step_child'):
     p.add_argument(hidden, action='store_true', help=argparse.SUPPRESS)
   p.add_argument('--device_kind', default='cpu', help=argparse.SUPPRESS)

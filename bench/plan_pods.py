@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -67,7 +69,7 @@ ROWS = {
                                 (1, 'save_proj'), (2, 'save_proj'), (1, 'save_dots'),
                                 (1, 'none'))],
     'stage3': [(f'stage 3, {t}', 'stage3', t, {})
-               for t in ('v5e:4x4', 'v5e:4x8', 'v5p:2x2x2', 'v6e:2x4', 'v6e:4x4')],
+               for t in ('v5e:4x4', 'v5e:4x8', 'v5e:8x8', 'v5p:2x2x2', 'v6e:2x4', 'v6e:4x4')],
     'cpu_vs_tpu': [(f'stage 1, v5e:{t}', 'stage1', f'v5e:{t}', {}) for t in ('4x8', '16x16')],
     'slice': [('one-chip slice (2 layers, vocab 8192), v5e:1x1', 'stage1', 'v5e:1x1',
                slice_overrides())],
@@ -78,24 +80,35 @@ def _dims(shape: str) -> list[tuple[int, ...]]:
   return [tuple(int(x) for x in s.split(',') if x) for s in re.findall(r'\[([\d,]*)\]', shape)]
 
 
-def classify(name: str, shape: str, cfg) -> str:
-  """The term a buffer live at the peak belongs to, from its name and shape."""
+def classify(name: str, shape: str, cfg, shards: int) -> str:
+  """The term a buffer live at the peak belongs to, from its name and shape (`shards`:
+  how many ways the state is split, fsdp x context)."""
   m, d = cfg.model, cfg.data
   if name.startswith('state_params'):
-    return 'parameters (fp32 master weights, sharded)'
+    return 'arguments: parameters (fp32, sharded)'
   if name.startswith('state_opt_state'):
-    return 'Adam moments mu, nu (fp32, sharded)'
+    return 'arguments: Adam moments mu, nu (fp32, sharded)'
   if name.startswith('batch'):
-    return 'batch'
-  dims = _dims(shape)
-  if any(m.vocab_size in s and len(s) >= 2 and min(s) < m.d_model for s in dims):
-    return 'logits and loss (vocab-wide)'
-  if any(d.seq_len // cfg.train.mesh_context in s or d.seq_len in s for s in dims):
-    return 'activations (saved for the backward, and live)'
-  widths = (m.mlp_hidden, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.vocab_size)
-  if any(m.d_model in s and any(w in s for w in widths) for s in dims):
-    return 'gathered layer weights and their full-size gradients'
-  return 'sharded fp32 buffers (gradient accumulator, update temporaries) and other'
+    return 'arguments: batch'
+  dims = (_dims(shape) or [()])[0]
+  dtype = shape.split('[')[0]
+  qkv = m.num_heads * m.head_dim
+  full = {(m.d_model, m.mlp_hidden), (m.mlp_hidden, m.d_model), (m.d_model, qkv),
+          (qkv, m.d_model), (m.d_model, m.num_kv_heads * m.head_dim),
+          (m.vocab_size, m.d_model), (m.d_model, m.vocab_size)}
+  tokens = {d.seq_len // cfg.train.mesh_context, d.seq_len}
+  if m.vocab_size in dims[-1:] and tokens & set(dims[:-1]):
+    return f'logits and loss ({dtype})'
+  if len(dims) >= 3 and tokens & set(dims[:-1]):  # [micro-batch, T, ...]
+    return f'activations ({dtype})'
+  if tuple(dims[-2:]) in full:
+    return f'weight-shaped, whole layer: gathered weights, their gradients ({dtype})'
+  if tokens & set(dims):
+    return f'activations ({dtype})'
+  if shards > 1 and len(dims) >= 2 and any(
+      np.prod(dims[-2:]) * shards == a * b for a, b in full):
+    return f'weight-shaped, sharded: gradient accumulator, updated state ({dtype})'
+  return f'other ({dtype})'
 
 
 def _element(shape: str, index: str) -> str:
@@ -114,7 +127,7 @@ def _element(shape: str, index: str) -> str:
   return parts[int(index)].strip()
 
 
-def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], dict[str, float]]:
+def breakdown(dump_dir: str, cfg, shards: int) -> tuple[dict[str, float], dict[str, float]]:
   """(GB per term, GB per dtype) of the buffers live at the peak of the last train step
   compiled into `dump_dir`, from XLA's live ranges and the optimized HLO's shapes."""
   def last(suffix):
@@ -138,14 +151,14 @@ def breakdown(dump_dir: str, cfg) -> tuple[dict[str, float], dict[str, float]]:
     if at_peak:
       name, index, size = match.groups()
       shape = _element(shapes.get(name, ''), index.split(',')[0])
-      term, dtype = classify(name, shape, cfg), shape.split('[')[0] or '?'
+      term, dtype = classify(name, shape, cfg, shards), shape.split('[')[0] or '?'
       terms[term] = terms.get(term, 0.0) + int(size) / GB
       dtypes[dtype] = dtypes.get(dtype, 0.0) + int(size) / GB
   return terms, dtypes
 
 
-def print_breakdown(dump_dir: str, cfg) -> None:
-  terms, dtypes = breakdown(dump_dir, cfg)
+def print_breakdown(dump_dir: str, cfg, shards: int) -> None:
+  terms, dtypes = breakdown(dump_dir, cfg, shards)
   by_dtype = ', '.join(f'{d} {gb:.2f}' for d, gb in sorted(dtypes.items(), key=lambda kv: -kv[1])
                        if gb >= 0.005)
   print(f'    live at the peak: {sum(terms.values()):.2f} GB ({by_dtype})', flush=True)
@@ -166,14 +179,16 @@ def run_row(label, name, topology, overrides, args) -> None:
   start = time.perf_counter()
   p = plan.tpu_plan(cfg, topology)
   (c,) = p.compiles
-  verdict = ('DOES NOT FIT the chip: ' + c.out_of_memory if c.out_of_memory else
-             f"{'fits' if p.peak_bytes <= args.limit_gb * GB else 'over'} {args.limit_gb:g} GB")
-  print(f'{label}: {c.devices} devices, mesh {c.mesh_shape}, {c.accum} micro-batches, '
-        f'arguments {c.argument / GB:.2f} GB, temp {c.temp / GB:.2f} GB, peak '
-        f'{p.peak_bytes / GB:.2f} GB/device; {verdict} '
-        f'({time.perf_counter() - start:.0f} s)', flush=True)
-  if args.breakdown and not c.out_of_memory:
-    print_breakdown(args.dump, cfg)
+  head = f'{label}: {c.devices} devices, mesh {c.mesh_shape}, {c.accum} micro-batches'
+  seconds = time.perf_counter() - start
+  if c.out_of_memory:
+    print(f'{head}; DOES NOT FIT the chip: {c.out_of_memory} ({seconds:.0f} s)', flush=True)
+    return
+  verdict = f"{'fits' if p.peak_bytes <= args.limit_gb * GB else 'over'} {args.limit_gb:g} GB"
+  print(f'{head}, arguments {c.argument / GB:.2f} GB, temp {c.temp / GB:.2f} GB, peak '
+        f'{p.peak_bytes / GB:.2f} GB/device; {verdict} ({seconds:.0f} s)', flush=True)
+  if args.breakdown:
+    print_breakdown(args.dump, cfg, c.mesh_shape['fsdp'] * c.mesh_shape.get('context', 1))
   if args.group in ('cpu_vs_tpu', 'slice'):
     devices = 1 if args.group == 'slice' else 8
     cpu = cpu_plan(cfg, c.devices, devices)
@@ -182,7 +197,8 @@ def run_row(label, name, topology, overrides, args) -> None:
           f'{cpu.temp_bytes / GB:.2f} GB, peak {cpu.peak_bytes / GB:.2f} GB/device = '
           f'{cpu.peak_bytes / p.peak_bytes:.2f}x the TPU compile', flush=True)
     if args.breakdown:  # the CPU compile on the most devices
-      print_breakdown(args.dump, cfg)
+      shape = cpu.compiles[-1].mesh_shape
+      print_breakdown(args.dump, cfg, shape['fsdp'] * shape.get('context', 1))
 
 
 def main() -> None:
