@@ -178,6 +178,7 @@ def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled
   try:
     # An executable for a described slice cannot be loaded back without its chips: keep
     # it out of the persistent compilation cache (which would warn on every later read).
+    # jax decides once per process, at its first compile: plan.py's is this one.
     jax.config.update('jax_enable_compilation_cache', cache and not on_tpu)
     memory = lowered.compile().memory_analysis()
   except jax.errors.JaxRuntimeError as e:
@@ -336,12 +337,15 @@ def tpu_plan(cfg: ml_collections.ConfigDict, topology: str) -> Plan:
   params_bytes, opt_bytes = sharding.state_bytes(
       train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), shape)
   # Outputs alias the donated state: the peak is the arguments, the outputs that
-  # alias nothing (the step's metrics) and the temporaries, as libtpu counts them.
-  peak = c.temp if c.out_of_memory else c.argument + c.output - c.alias + c.temp
+  # alias nothing (the step's metrics) and the temporaries, as libtpu counts them. A
+  # refused step has only the temporaries libtpu asked for: the state comes on top.
+  batch = batch_bytes(cfg, shape)
+  peak = (params_bytes + opt_bytes + batch + c.temp if c.out_of_memory
+          else c.argument + c.output - c.alias + c.temp)
   flops_token = model.flops_per_token(cfg.model, cfg.data.seq_len)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   return Plan(model.param_count(cfg.model), flops_token, flops_token * tokens, len(devices),
-              shape, params_bytes, opt_bytes, batch_bytes(cfg, shape), c.temp, peak, False,
+              shape, params_bytes, opt_bytes, batch, c.temp, peak, False,
               [c], 'tpu', f'{impl} ({why})', c.kernels, compiler='tpu', topology=topology)
 
 
@@ -428,8 +432,7 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
   how = ('fit a + b/fsdp through the two compiles' if p.temp_extrapolated else
          "the TPU compiler's" if p.compiler == 'tpu' else 'compiled')
   if p.out_of_memory:
-    how = 'all the TPU compiler said the step needs'
-
+    how = 'what the TPU compiler asked for, refusing it'
   lines += [
       f'target      {p.target_devices} devices, mesh {p.target_mesh}',
       f'  params     {p.params_bytes / GB:8.2f} GB/device (float32, exact)',
@@ -438,7 +441,8 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
       f'  temp       {p.temp_bytes / GB:8.2f} GB/device (activations, gathered weights, grads; '
       f'{how})',
       f'  peak       {p.peak_bytes / GB:8.2f} GB/device' + (
-          ' (arguments + unaliased outputs + temp, from libtpu)' if p.compiler == 'tpu' else ''),
+          '' if p.compiler != 'tpu' else ' at least (the state + what libtpu asked for)'
+          if p.out_of_memory else ' (arguments + unaliased outputs + temp, from libtpu)'),
   ]
   lines.append(f'attention   {p.platform}: {p.attention}')
   if p.compiler == 'cpu' and p.attention.split()[0] in ('pallas', 'cudnn'):
@@ -501,14 +505,20 @@ def _plan_topology(cfg: ml_collections.ConfigDict) -> bool:
     raise ValueError('--topology names the devices and the platform; drop --target_devices '
                      'and --platform.')
   version = libtpu_version()
+  if version and FLAGS.devices is not None:
+    raise ValueError(f'--topology={FLAGS.topology} is compiled for its own devices by libtpu; '
+                     'drop --devices (it sets the CPU compile\'s devices where libtpu is absent).')
   if version:
     print(f'planning for {FLAGS.topology} with the TPU compiler (libtpu {version})', flush=True)
     jax.config.update('jax_platforms', 'cpu')  # libtpu compiles; no TPU is opened
     report(cfg, topology=FLAGS.topology)
     return True
-  print(f'libtpu is not installed: planning {FLAGS.topology} from a CPU compile, '
-        "extrapolated (pip install 'libtpu==0.0.42.*' for the TPU compiler)", flush=True)
-  FLAGS.target_devices = topology_devices(FLAGS.topology)
+  print(f'libtpu is not installed: planning {FLAGS.topology} from a CPU compile on simulated '
+        "devices (pip install 'libtpu==0.0.42.*' for the TPU compiler)", flush=True)
+  target = topology_devices(FLAGS.topology)
+  if FLAGS.devices is None and target <= 8:  # small enough to compile as it is
+    FLAGS.devices = target
+  FLAGS.target_devices = 0 if FLAGS.devices == target else target
   FLAGS.platform, FLAGS.chip = 'tpu', TPU_GENERATIONS[gen][1]
   return False
 

@@ -68,7 +68,7 @@ def slice_config(args):
   cfg.model.num_layers = args.layers
   if args.layers % len(cfg.model.layer_pattern):  # 2 layers: 'SF', one sliding and the full
     cfg.model.layer_pattern = cfg.model.layer_pattern[-args.layers:]
-  cfg.data.global_batch_size = args.sequences * (jax.device_count() if not args.predict else 1)
+  cfg.data.global_batch_size = args.sequences  # one device: step_setup's mesh is devices[:1]
   cfg.train.micro_batch_size = args.sequences
   cfg.train.eval_tasks = ()
   if args.tiny:

@@ -76,6 +76,12 @@ ROWS = {
 }
 
 
+def _dtype(shape: str) -> str:
+  """'bf16' of 'bf16[2,8192,4096]{...}' (the first array of a tuple)."""
+  match = re.search(r'([a-z]+[0-9]*)\[', shape)
+  return match.group(1) if match else '?'
+
+
 def _dims(shape: str) -> list[tuple[int, ...]]:
   return [tuple(int(x) for x in s.split(',') if x) for s in re.findall(r'\[([\d,]*)\]', shape)]
 
@@ -91,7 +97,7 @@ def classify(name: str, shape: str, cfg, shards: int) -> str:
   if name.startswith('batch'):
     return 'arguments: batch'
   dims = (_dims(shape) or [()])[0]
-  dtype = shape.split('[')[0]
+  dtype = _dtype(shape)
   qkv = m.num_heads * m.head_dim
   full = {(m.d_model, m.mlp_hidden), (m.mlp_hidden, m.d_model), (m.d_model, qkv),
           (qkv, m.d_model), (m.d_model, m.num_kv_heads * m.head_dim),
@@ -107,12 +113,13 @@ def classify(name: str, shape: str, cfg, shards: int) -> str:
     return f'activations ({dtype})'
   if shards > 1 and len(dims) >= 2 and any(
       np.prod(dims[-2:]) * shards == a * b for a, b in full):
-    return f'weight-shaped, sharded: gradient accumulator, updated state ({dtype})'
+    return f'weight-shaped, sharded: gradient accumulator, updated state, gather inputs ({dtype})'
   return f'other ({dtype})'
 
 
 def _element(shape: str, index: str) -> str:
   """Element `index` of a tuple shape '(a, b, ...)'; the shape itself when not a tuple."""
+  shape = re.sub(r'/\*.*?\*/', '', shape)  # XLA's /*index=N*/ comments
   if not index or not shape.startswith('('):
     return shape
   parts, depth, current = [], 0, ''
@@ -151,7 +158,7 @@ def breakdown(dump_dir: str, cfg, shards: int) -> tuple[dict[str, float], dict[s
     if at_peak:
       name, index, size = match.groups()
       shape = _element(shapes.get(name, ''), index.split(',')[0])
-      term, dtype = classify(name, shape, cfg, shards), shape.split('[')[0] or '?'
+      term, dtype = classify(name, shape, cfg, shards), _dtype(shape)
       terms[term] = terms.get(term, 0.0) + int(size) / GB
       dtypes[dtype] = dtypes.get(dtype, 0.0) + int(size) / GB
   return terms, dtypes
@@ -163,7 +170,8 @@ def print_breakdown(dump_dir: str, cfg, shards: int) -> None:
                        if gb >= 0.005)
   print(f'    live at the peak: {sum(terms.values()):.2f} GB ({by_dtype})', flush=True)
   for term, gb in sorted(terms.items(), key=lambda kv: -kv[1]):
-    print(f'      {term:72s} {gb:6.2f} GB', flush=True)
+    if gb >= 0.005:
+      print(f'      {term:86s} {gb:6.2f} GB', flush=True)
 
 
 def cpu_plan(cfg, target: int, devices: int = 8):
