@@ -137,8 +137,9 @@ def _element(shape: str, index: str) -> str:
 def breakdown(dump_dir: str, cfg, shards: int) -> tuple[dict[str, float], dict[str, float]]:
   """(GB per term, GB per dtype) of the buffers live at the peak of the last train step
   compiled into `dump_dir`, from XLA's live ranges and the optimized HLO's shapes."""
-  def last(suffix):
-    return max(glob.glob(os.path.join(dump_dir, f'*jit_train_step*{suffix}')))
+  def last(suffix):  # the newest: module numbers are not in compile order
+    return max(glob.glob(os.path.join(dump_dir, f'*jit_train_step*{suffix}')),
+               key=os.path.getmtime)
   live, hlo = last('after_optimizations-live-range.txt'), last('after_optimizations.txt')
   shapes = {}
   for line in open(hlo):
