@@ -220,13 +220,16 @@ def main() -> None:
   unknown = set(groups) - set(ROWS)
   if unknown:
     p.error(f'--rows: unknown {sorted(unknown)}; choose from {sorted(ROWS)}')
+  import plan  # pylint: disable=import-outside-toplevel
+  if not plan.libtpu_version():
+    p.error("the TPU's compiler is not installed: pip install 'libtpu==0.0.42.*' (no TPU "
+            'needed)')
   args.dump = tempfile.mkdtemp(prefix='xla_dump_')
   os.environ['XLA_FLAGS'] = (f'{os.environ.get("XLA_FLAGS", "")} --xla_dump_to={args.dump} '
                              '--xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_pass_re=NONE').strip()
   if 'cpu_vs_tpu' in groups:  # the CPU planner's 8 simulated devices (2 x 8 for its pair)
     os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=16'
   import jax  # pylint: disable=import-outside-toplevel
-  import plan  # pylint: disable=import-outside-toplevel
   jax.config.update('jax_platforms', 'cpu')
   print(f'libtpu {plan.libtpu_version()}; load {os.getloadavg()[0]:.2f}', flush=True)
   for group in groups:
