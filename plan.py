@@ -94,12 +94,6 @@ TPU_GENERATIONS = {
     'v6e': ('default', 'v6e', 'TPU v6e'),
     'tpu7x': ('default', '7x', 'TPU7x'),
 }
-# libtpu reads these at load: kernels.xla's placeholders for a host without a TPU VM's
-# metadata server, and ALLOW_MULTIPLE_LIBTPU_LOAD. Without it a second process loading
-# libtpu at the same moment (parallel test workers, two planners) fails on
-# /tmp/libtpu_lockfile, a lock that guards TPU chips, which a compile for a described
-# slice never opens (tests/test_tpu_compile.py). Values already set win.
-_LIBTPU_ENV = {**kernels.xla.LIBTPU_PLACEHOLDERS, 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 
 @dataclasses.dataclass
@@ -224,7 +218,9 @@ def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
 def tpu_devices(name: str) -> list[Any]:
   """The devices of TPU slice `name`, as libtpu describes them (no TPU needed)."""
   gen, shape = parse_topology(name)
-  for key, value in _LIBTPU_ENV.items():
+  # kernels.xla's placeholders, also on a TPU host: a compile for a described slice opens
+  # no chip, so it needs neither the metadata server nor the chips' lock.
+  for key, value in kernels.xla.LIBTPU_PLACEHOLDERS.items():
     os.environ.setdefault(key, value)
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   # Hosts hold 2x2 chips (one chip for a 1x1 slice); the layout only names the hosts.

@@ -35,7 +35,11 @@ CPU_FLAGS = ('--xla_cpu_enable_concurrency_optimized_scheduler=false',)
 # libtpu installed on a machine without TPU chips (a CPU machine with the test extra, a
 # host that plans pods with plan.py --topology) asks a TPU VM's metadata server for the
 # slice it is on when it loads, and prints three lines of warnings when none answers.
-# These placeholders answer for it; a TPU VM's own values win.
+# The first two placeholders answer for it (sharding.cluster_detected knows the host
+# name for no pod). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu takes /tmp/libtpu_lockfile at every
+# load, chips or not, and a second process loading it at the same moment (parallel test
+# workers, two planners) failed on it; the lock guards chips, which such a process never
+# opens (tests/test_tpu_compile.py). A TPU VM's own values win.
 LIBTPU_PLACEHOLDERS = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost',
                        'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 _GOOGLE_PCI_VENDOR = '0x1ae0'  # TPU chips are PCI devices of their host
