@@ -11,7 +11,8 @@ compute, fp32 master weights and Adam, the full vocabulary head) with
 state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
 
   step        train.make_train_step's time per step (median of --steps after
-              the compile) and MFU against metrics.PEAK_FLOPS for the chip
+              the compile) and MFU against metrics.PEAK_FLOPS for the chip,
+              taken in the memory check's process
   memory      the step alone, in a process of its own: the executable's own
               memory_analysis() on the device and device.memory_stats()'s
               peak, against plan.py's prediction for the same slice, made in
@@ -224,7 +225,11 @@ def _plan_env() -> dict:
 
 def check_memory(args) -> dict:
   """The step alone in a child, against plan.py's peak for it (3% or the check fails)."""
-  step = _child(['--step_child', *slice_flags(args)])
+  step = _child(['--step_child', *slice_flags(args)]
+                + ([f'--profile={args.profile}'] if args.profile else []))
+  if 'out of memory' in step:
+    raise SystemExit(f"the slice's step does not fit the device ({step['out of memory']}); "
+                     'shrink it with --layers=2 --vocab=8192 (a 16 GiB v5e)')
   predicted = _child(['--predict', *slice_flags(args), f"--device_kind={step['device']}"],
                      env=_plan_env())
   ratio = step['compiled peak (GB)'] / predicted['predicted peak (GB)']
@@ -269,7 +274,8 @@ def _predict_one(args):
   topology = _topology(args.device_kind) if plan.libtpu_version() else ''
   if topology:
     return plan.tpu_plan(cfg, topology), f'libtpu for {topology}'
-  platform = 'cpu' if args.device_kind == 'cpu' else 'gpu' if 'TPU' not in args.device_kind else 'tpu'
+  platform = ('cpu' if args.device_kind == 'cpu' else 'tpu' if 'TPU' in args.device_kind
+              else 'gpu')
   return (plan.make_plan(cfg, platform=platform, devices=jax.devices()[:1]),
           'the CPU compile')
 
@@ -330,6 +336,10 @@ def child(args) -> None:
   print(json.dumps({'first step (s)': time.perf_counter() - start, 'cache hits': len(hits)}))
 
 
+def _mfu(step: dict) -> float | None:
+  return None if step['MFU'] is None else round(step['MFU'], 3)
+
+
 def _run_children(args, result: dict) -> None:
   """Every check that needs the device to itself, before this process opens it."""
   result['restart'] = r = check_restart(args)
@@ -358,7 +368,7 @@ def _run_children(args, result: dict) -> None:
     result['hd256'] = {'step': wide, '16x256 / 32x128 time': wide['step (s)'] / step['step (s)']}
     print(f"hd256: half the heads at twice the head_dim {wide['step (s)'] * 1e3:.1f} ms vs "
           f"{step['step (s)'] * 1e3:.1f} ms: {result['hd256']['16x256 / 32x128 time']:.3f}x "
-          f"the time, MFU {wide['MFU']:.3f} vs {step['MFU']:.3f}", flush=True)
+          f"the time, MFU {_mfu(wide)} vs {_mfu(step)}", flush=True)
 
 
 def main() -> None:
@@ -377,8 +387,8 @@ def main() -> None:
   p.add_argument('--compare_hd256', action='store_true',
                  help='also time the 16 x 256 step in a child, beside the 32 x 128 one')
   p.add_argument('--out', default='', help='write every number here as JSON')
-  p.add_argument('--profile', default='', help="a jax.profiler trace of this process's timed "
-                 'steps into this directory')
+  p.add_argument('--profile', default='', help='a jax.profiler trace of the timed steps '
+                 "(the memory check's process) into this directory")
   for hidden in ('--child', '--predict', '--predict_fit', '--step_child'):
     p.add_argument(hidden, action='store_true', help=argparse.SUPPRESS)
   p.add_argument('--device_kind', default='cpu', help=argparse.SUPPRESS)
@@ -403,10 +413,9 @@ def main() -> None:
   result['attention'] = check_attention(cfg)
   for name, a in result['attention'].items():
     print(f"attention {name}: {json.dumps(a)}", flush=True)
-  result['step'] = check_step(cfg, args)
-  s = result['step']
+  result['step'] = s = result['memory']['step']  # the step, timed in a process of its own
   print(f"step: {s['step (s)'] * 1e3:.1f} ms, {s['tokens/s']:,.0f} tok/s, MFU "
-        f"{s['MFU'] if s['MFU'] is None else round(s['MFU'], 3)} on {s['device']} "
+        f"{_mfu(s)} on {s['device']} "
         f"(compile + first step {s['compile+first step (s)']:.1f}s)", flush=True)
   result['seconds'] = time.perf_counter() - began
   if args.out:

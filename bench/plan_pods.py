@@ -44,19 +44,16 @@ GB = 1e9
 def _config(name: str, **overrides):
   import config_checks  # pylint: disable=import-outside-toplevel
   from configs import olmo3_7b, olmo3_7b_hd256, olmo3_7b_stage3  # pylint: disable=import-outside-toplevel
+  if name == 'slice':  # bench/device_check.py's one-chip slice, as it builds it
+    import device_check  # pylint: disable=import-outside-toplevel
+    return config_checks.complete(device_check.slice_config(argparse.Namespace(
+        layers=2, vocab=8192, sequences=1, tiny=False, hd256=False)))
   module = {'stage1': olmo3_7b, 'hd256': olmo3_7b_hd256, 'stage3': olmo3_7b_stage3}[name]
   cfg = module.get_config()
   for key, value in overrides.items():
     section, field = key.split('.')
     cfg[section][field] = value
   return config_checks.complete(cfg)
-
-
-def slice_overrides(layers: int = 2, vocab: int = 8192) -> dict:
-  """bench/device_check.py's one-chip slice: 2 layers ('SF'), vocab 8192, 1 x 8192."""
-  return {'model.num_layers': layers, 'model.layer_pattern': 'SF', 'model.vocab_size': vocab,
-          'data.vocab_size': vocab, 'data.eos_token_id': 0, 'data.pad_token_id': 1,
-          'data.global_batch_size': 1, 'train.micro_batch_size': 1}
 
 
 # name -> [(label, config, topology, overrides)]
@@ -71,8 +68,7 @@ ROWS = {
     'stage3': [(f'stage 3, {t}', 'stage3', t, {})
                for t in ('v5e:4x4', 'v5e:4x8', 'v5e:8x8', 'v5p:2x2x2', 'v6e:2x4', 'v6e:4x4')],
     'cpu_vs_tpu': [(f'stage 1, v5e:{t}', 'stage1', f'v5e:{t}', {}) for t in ('4x8', '16x16')],
-    'slice': [('one-chip slice (2 layers, vocab 8192), v5e:1x1', 'stage1', 'v5e:1x1',
-               slice_overrides())],
+    'slice': [('one-chip slice (2 layers, vocab 8192), v5e:1x1', 'slice', 'v5e:1x1', {})],
 }
 
 
@@ -124,7 +120,10 @@ def _element(shape: str, index: str) -> str:
     return shape
   parts, depth, current = [], 0, ''
   for ch in shape[1:-1]:
-    depth += ch in '([{' and 1 or (-1 if ch in ')]}' else 0)
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
     if ch == ',' and depth == 0:
       parts.append(current)
       current = ''
