@@ -445,54 +445,147 @@ def reference(tmp_path_factory):
   return workdir
 
 
-def _current_child(log: pathlib.Path, attempt: int, timeout: float = 120) -> int:
+def _until(done, launcher: subprocess.Popen, what: str, timeout: float = 300,
+           poll: float = 0.05):
+  """Polls `done()` until it is true (returned); fails once the launcher has exited."""
   deadline = time.time() + timeout
-  while time.time() < deadline:
-    found = re.findall(r'attempt (\d+): started pid (\d+)', log.read_text() if log.exists() else '')
-    if found and int(found[-1][0]) == attempt:
-      return int(found[-1][1])
-    time.sleep(0.05)
-  raise AssertionError(f'attempt {attempt} never started')
+  while True:
+    exited = launcher.poll() is not None  # first: what `done` then sees is final
+    if result := done():
+      return result
+    if exited:
+      raise AssertionError(f'the launcher exited ({launcher.returncode}) before {what}')
+    if time.time() > deadline:
+      raise AssertionError(f'no {what} within {timeout} s')
+    time.sleep(poll)
 
 
-def _lines(path: pathlib.Path) -> int:
-  return len(path.read_text().splitlines()) if path.exists() else 0
+def _attempt_started(log: pathlib.Path, attempt: int, launcher: subprocess.Popen
+                     ) -> tuple[int, int]:
+  """(pid, the checkpoint it resumes from: 0 for none) of the launcher's `attempt`."""
+  def started():
+    found = re.findall(r'attempt (\d+): started pid (\d+) \(latest checkpoint: (None|\d+)\)',
+                       log.read_text() if log.exists() else '')
+    return found[-1] if found and int(found[-1][0]) == attempt else None
+  try:
+    _, pid, resumed = _until(started, launcher, f'attempt {attempt} started', timeout=120)
+  except AssertionError as e:
+    raise AssertionError(f'{e}:\n' + (log.read_text() if log.exists() else '')) from None
+  return int(pid), 0 if resumed == 'None' else int(resumed)
+
+
+class _Checkpoints:
+  """The committed checkpoints of a workdir as this test sees them, polled every 5 ms.
+
+  A checkpoint past the one an attempt resumed from is that attempt's own (a
+  metrics.jsonl record need not be: a killed attempt may have logged steps past its
+  last checkpoint, which the next attempt drops), and a kill that follows one is
+  progress for the launcher (--max_failures counts attempts without)."""
+
+  POLL = 0.005
+
+  def __init__(self, workdir: pathlib.Path, launcher: subprocess.Popen):
+    self.dir, self.launcher = workdir / 'checkpoints', launcher
+    self.seen: dict[int, tuple[float, int]] = {}  # step: (time first seen, attempt)
+    self.attempt = 0  # the attempt running now (set by the test)
+    self.period: float | None = None  # the latest time between two one attempt wrote
+
+  def latest(self) -> int:
+    steps = checkpoint.committed_steps(str(self.dir)) if self.dir.is_dir() else []
+    now = time.monotonic()
+    for step in steps:
+      if step not in self.seen:
+        self.seen[step] = (now, self.attempt)
+        before = self.seen.get(step - 1)
+        if before is not None and before[1] == self.attempt:
+          self.period = now - before[0]
+    return steps[-1] if steps else 0
+
+  def wait_for(self, step: int) -> int:
+    return _until(lambda: (latest := self.latest()) >= step and latest, self.launcher,
+                  f'checkpoint {step}', poll=self.POLL)
+
+  def saving(self, step: int) -> bool:
+    return any(self.dir.glob(f'tmp.step_{step}.*'))
+
+
+def _send(pid: int, sig: int) -> None:
+  try:
+    os.kill(pid, sig)
+  except ProcessLookupError:  # it finished first: the plan left it too few steps
+    raise AssertionError(f'the trainer (pid {pid}) exited before signal {sig}') from None
+
+
+def _handles_sigterm(pid: int) -> bool:
+  """Whether `pid` has a SIGTERM handler (train.py installs one as its loop starts)."""
+  status = pathlib.Path(f'/proc/{pid}/status').read_text()
+  caught = int(re.search(r'^SigCgt:\s*([0-9a-f]+)$', status, re.M).group(1), 16)
+  return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+# Where the signals go (ckpt_every=1: a step and its save take ~0.1 s on an idle machine,
+# so a wait of a fixed time is several steps). The trainer acts on SIGTERM at the end of
+# the step it lands in, and one that lands after the last step's check ends the run with
+# exit 0: the SIGTERM goes as the save after a checkpoint at most TERM_BY starts, so it
+# lands in step TERM_BY + 2 at the latest, with the steps after it as the test's slack.
+# Each attempt's checkpoints are chosen relative to the one it resumed from (however far
+# the kills before it went past their plan), each SIGKILL goes before the next checkpoint
+# commits, and the kills' planned checkpoints end by KILLS_BY: a kill that goes a
+# checkpoint late still leaves the SIGTERM one to follow. Two or more late (a test
+# process descheduled for a step), and the SIGTERM goes as attempt 4's loop starts.
+TERM_BY = STEPS - 4
+KILLS_BY = TERM_BY - 2
 
 
 @pytest.mark.slow
 def test_sigkills_and_sigterm_under_the_launcher_end_bit_exact(reference, tmp_path):
   seed = int(time.time())
   rng = np.random.default_rng(seed)
-  # SIGKILLs in steps 2-6, SIGTERM after step 7: the trainer acts on SIGTERM at
-  # the end of the step it lands in, so it needs steps left to land in (one
-  # after the last step's check would let the run finish with exit 0).
-  kill_steps = sorted(int(s) for s in rng.choice(np.arange(2, STEPS - 3), 3, replace=False))
-  kill_steps.append(STEPS - 3)
   workdir = tmp_path / 'run'
   launcher = subprocess.Popen(
       [sys.executable, str(REPO / 'scripts' / 'launch.py'), '--backoff=0', '--max_failures=3',
        '--', *train_args(workdir, STEPS, 1)], cwd=REPO, env=trainer_env(2),
       stdout=subprocess.DEVNULL, stderr=open(tmp_path / 'launcher.err', 'w'))
   log = workdir / 'launcher.log'
-  caught_save = False
-  for attempt, step in enumerate(kill_steps, 1):
-    pid = _current_child(log, attempt)
-    wait_for_step(workdir, step, launcher, since=_lines(workdir / 'metrics.jsonl'))
-    if step == kill_steps[-1]:  # preemption: SIGTERM as the step's checkpoint starts
-      # At once, not after waiting for a save: on an idle machine a wait lets
-      # the run reach its last step, and a SIGTERM after that step's check
-      # rightly ends in exit 0. With ckpt_every=1 a save is usually in flight.
-      os.kill(pid, signal.SIGTERM)
-      caught_save = any((workdir / 'checkpoints').glob('tmp.step_*'))
-    else:
-      time.sleep(rng.uniform(0, 0.3))  # anywhere in the step or its save
-      os.kill(pid, signal.SIGKILL)
+  ckpts = _Checkpoints(workdir, launcher)
+  for attempt in (1, 2, 3):
+    pid, resumed = _attempt_started(log, attempt, launcher)
+    ckpts.attempt = attempt
+    assert ckpts.latest() == resumed, (resumed, ckpts.seen)
+    # 1 or more checkpoints past the resume point, leaving each later kill at least one.
+    planned = resumed + int(rng.integers(1, max(1, KILLS_BY - resumed - (3 - attempt)) + 1))
+    ckpts.wait_for(planned)
+    # Anywhere in the next step or its save: a random part of the time between two
+    # checkpoints (0.2 s before one was timed), and at once if the next one commits.
+    delay = rng.uniform(0, ckpts.period or 0.2)
+    end = time.monotonic() + delay
+    while time.monotonic() < end and ckpts.latest() == planned:
+      time.sleep(ckpts.POLL)
+    _send(pid, signal.SIGKILL)
+    print(f'seed {seed}: attempt {attempt} resumed from {resumed}; SIGKILL up to {delay:.3f} '
+          f's after checkpoint {planned} (latest as sent: {ckpts.latest()})', flush=True)
+  pid, resumed = _attempt_started(log, 4, launcher)
+  ckpts.attempt = 4
+  assert ckpts.latest() == resumed < STEPS, (resumed, ckpts.seen)
+  if resumed < TERM_BY:  # preemption: SIGTERM as the save after a checkpoint starts
+    after = int(rng.integers(resumed + 1, TERM_BY + 1))
+    ckpts.wait_for(after)
+    _until(lambda: ckpts.saving(after + 1) or ckpts.latest() > after, launcher,
+           f'the save of step {after + 1}', poll=ckpts.POLL)
+    _send(pid, signal.SIGTERM)
+    where = (f'after checkpoint {after} '
+             f'({"during" if ckpts.saving(after + 1) else "after"} the next save)')
+  else:  # the kills went 2 or more checkpoints late
+    _until(lambda: _handles_sigterm(pid), launcher, 'a SIGTERM handler', poll=ckpts.POLL)
+    _send(pid, signal.SIGTERM)
+    where = 'as its loop started (the kills went late)'
+  print(f'seed {seed}: attempt 4 resumed from {resumed}; SIGTERM {where}', flush=True)
+  preempted_at = _attempt_started(log, 5, launcher)[1]  # the preemption's checkpoint
   assert launcher.wait(timeout=600) == 0, (tmp_path / 'launcher.err').read_text()[-3000:]
   text = log.read_text()
   assert text.count('started pid') == 5, text
   assert text.count('killed by signal 9') == 3 and 'preempted, checkpoint written' in text, text
-  print(f'seed {seed}: SIGKILL after steps {kill_steps[:-1]}, SIGTERM after step '
-        f'{kill_steps[-1]} ({"during" if caught_save else "not during"} an async save)')
+  assert resumed < preempted_at <= STEPS, text
   assert_bitwise_equal(final_params(workdir), final_params(reference))
 
 
