@@ -32,6 +32,7 @@ from kernels.chunked_ce import chunk_sums
 IGNORE_INDEX = -100  # OLMo-core label_ignore_index: a label that counts nowhere
 
 
+@jax.named_scope('loss')  # names its ops in profiles (bench/profile_breakdown.py)
 def sums(hidden_BTD: jax.Array, w_head_DV: jax.Array, labels_BT: jax.Array,
          instance_mask_B: jax.Array, *, z_loss: float, chunk: int
          ) -> tuple[jax.Array, jax.Array]:

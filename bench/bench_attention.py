@@ -18,6 +18,7 @@ ours: above 1 the kernel leads.
   .venv/bin/python bench/bench_attention.py
   .venv/bin/python bench/bench_attention.py --width=4096 --kv_ratio=1 --iters=20
   .venv/bin/python bench/bench_attention.py --block_q=512 --block_kv=1024 --noreference
+  .venv/bin/python bench/bench_attention.py --two_kernels   # the unfused backward too
 
 Shape glossary: B batch, T time, H query heads, G kv heads, K head_dim.
 """
@@ -49,6 +50,9 @@ _BLOCK_Q = flags.DEFINE_integer('block_q', None, 'Override the table (for tuning
 _BLOCK_KV = flags.DEFINE_integer('block_kv', None, 'Override the table (for tuning it).')
 _SPLASH_BLOCKS = flags.DEFINE_list('splash_blocks', ['512', '1024'],
                                    'Splash block sizes to try; its best is compared.')
+_TWO_KERNELS = flags.DEFINE_bool(
+    'two_kernels', False, "Also time the kernel's backward as two kernels (dq apart from "
+    'dk/dv) beside the fused one the chip picks.')
 _REFERENCE = flags.DEFINE_bool(
     'reference', False, 'Also time the XLA reference; it materialises B*H*T*T f32 '
     'logits (8.6 GB per sequence at the 7B shape).')
@@ -167,6 +171,9 @@ def time_on_tpu(seq_len: int, window: int) -> None:
       ours = functools.partial(kernels.flash_attention, block_q=_BLOCK_Q.value,
                                block_kv=_BLOCK_KV.value)
       results = {'pallas': _timed(ours, q, kv, seg, w)}
+      if _TWO_KERNELS.value:
+        results['pallas 2-kern'] = _timed(functools.partial(ours, fuse_backward=False), q, kv,
+                                          seg, w)
       if g == h:  # splash's multi-head kernel; its best block size is the peer
         tried = {n: _timed(functools.partial(splash, block=int(n)), q, kv, seg, w)
                  for n in _SPLASH_BLOCKS.value}
@@ -183,7 +190,7 @@ def time_on_tpu(seq_len: int, window: int) -> None:
         # Backward counted as 2.5x forward (S once, dP, dV, dQ, dK), the usual
         # convention; the kernels run 7 matmuls (S and dP in both kernels).
         ratios = (f' {peer[0] / t_fwd:>16.3f} {peer[1] / t_all:>8.3f}'
-                  if peer and name == 'pallas' else '')
+                  if peer and name.startswith('pallas') else '')
         print(f'{k:>4} {h:>3} {layer:>9} {name:>12} {t_fwd * 1e3:>8.2f}'
               f' {t_all * 1e3:>11.2f} {3.5 * flops / t_all / 1e12:>16.1f}{ratios}', flush=True)
 

@@ -1,7 +1,9 @@
 """The first accelerator check: the 7B's layer shapes on one GPU or TPU, in under 8 minutes.
 
     python bench/device_check.py [--out=result.json]     # one GPU (e.g. H200)
-    python bench/device_check.py --layers=2 --vocab=8192 --fit --hd256   # one TPU v5e (15.7 GiB)
+    python bench/device_check.py --layers=2 --vocab=8192 --fit --compare_hd256  # one TPU v5e
+    python bench/device_check.py --layers=2 --vocab=8192 --profile=P  # + P/step.hlo.txt:
+                                                  # bench/profile_breakdown.py reads both
     JAX_PLATFORMS=cpu python bench/device_check.py --tiny  # the same script in miniature
 
 A slice of the 7B (configs/olmo3_7b.py: d_model 4096, 32 heads, seq 8192, bf16
@@ -9,6 +11,7 @@ compute, fp32 master weights and Adam, the full vocabulary head) with
 --layers=4 layers (one SSSF period), one sequence per step, on one device.
 --vocab shrinks the vocabulary (embedding and head) where the full one's fp32
 state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
+--remat picks the slice's remat policy (default: the 7B config's 'full').
 
   step        train.make_train_step's time per step (median of --steps after
               the compile) and MFU against metrics.PEAK_FLOPS for the chip,
@@ -81,6 +84,8 @@ def slice_config(args):
   if args.hd256:  # configs/olmo3_7b_hd256.py's co-design: 16 x 256 = 32 x 128
     cfg.model.num_heads = cfg.model.num_kv_heads = cfg.model.num_heads // 2
     cfg.model.head_dim *= 2
+  if args.remat:
+    cfg.model.remat = args.remat
   if args.vocab:
     cfg.model.vocab_size = cfg.data.vocab_size = args.vocab
     cfg.data.eos_token_id, cfg.data.pad_token_id = 0, 1
@@ -120,6 +125,10 @@ def check_step(cfg, args) -> dict:
   times = []
   # --profile: a jax.profiler trace of the timed steps (TensorBoard's profile plugin or
   # xprof read it: matmuls, the kernels, the loss, the update, idle time).
+  if args.profile:  # the trace names XLA's ops; their HLO says what each one computes
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, 'step.hlo.txt'), 'w') as f:
+      f.write(compiled.as_text())
   with jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext():
     for _ in range(args.steps):
       start = time.perf_counter()
@@ -203,6 +212,7 @@ def slice_flags(args, **changes) -> list[str]:
   v = {**vars(args), **changes}
   return ([f"--layers={v['layers']}", f"--vocab={v['vocab']}", f"--steps={v['steps']}",
            f"--sequences={v['sequences']}"] + (['--tiny'] if v['tiny'] else [])
+          + ([f"--remat={v['remat']}"] if v['remat'] else [])
           + (['--hd256'] if v['hd256'] else []))
 
 
@@ -379,6 +389,9 @@ def main() -> None:
                  help="vocabulary size of the slice (0: the 7B's); a multiple of 128")
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--sequences', type=int, default=1, help='sequences per step and device')
+  import model  # pylint: disable=import-outside-toplevel
+  p.add_argument('--remat', default='', choices=['', *model.REMAT_POLICIES],
+                 help="the slice's remat policy (default: the 7B config's 'full')")
   p.add_argument('--fit', action='store_true',
                  help='the fit test: the most sequences the plan fits run, one more fails')
   p.add_argument('--fit_max', type=int, default=8, help='the fit test tries up to this many')

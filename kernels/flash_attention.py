@@ -57,8 +57,10 @@ class BlockSizes(NamedTuple):
 #   outputs 2 MiB, segment-id tiles 1 MiB), under _VMEM_LIMIT_BYTES below;
 #   v5e's Q=C=1024 about 28 MiB.
 # - v5e's entries are measured (forward + backward on the chip, where training
-#   spends its time); the other chips' are reasoned from the figures above and
-#   checked to compile by Mosaic (tests/test_tpu_compile.py), not timed.
+#   spends its time; 1024 x 1024 beat 512 x 512 with the two-kernel backward,
+#   and with the fused one it leads splash attention 1.19-1.24x); the other
+#   chips' are reasoned from the figures above and checked to compile by Mosaic
+#   (tests/test_tpu_compile.py), not timed.
 # - 'interpret' is used off-TPU (CPU tests in interpret mode): the smallest
 #   legal blocks, so short test sequences still span several blocks.
 _BLOCK_TABLE: dict[tuple[str, int], BlockSizes] = {
@@ -86,6 +88,9 @@ _VMEM_LIMIT_BYTES: dict[str, int] = {
     'v6e': 64 << 20,
     '7x': 32 << 20,
 }
+
+# What the interpreter (CPU tests) plays by when deciding whether the backward fuses.
+_INTERPRET_VMEM_BYTES = 64 << 20
 
 # Abstract-device descriptions of the table's chips (device_kind, TensorCores
 # per jax device), used to lower the kernels for a chip without having one.
@@ -248,6 +253,7 @@ class _Static:
   block_kv: int
   vmem_limit_bytes: int | None
   interpret: Any
+  fuse_backward: bool  # one backward kernel for dq, dk, dv (flash_kernels.backward_dkv)
 
   def kernel_args(self) -> dict[str, Any]:
     return dict(num_heads=self.num_heads,
@@ -292,13 +298,19 @@ def _flash_bwd(st: _Static, residuals, do_BTX):
                       do_BTX.reshape(b, t, h, k).astype(jnp.float32))
   di_BHT = di_BTH.transpose(0, 2, 1)
   seg_q, seg_k = (None, None) if segments is None else map(_segment_layouts, segments)
-  dq_BTX = flash_kernels.backward_dq(
-      q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT,
-      None if segments is None else (seg_q[0], seg_k[1]), schedule=plan[0], **st.kernel_args())
-  dk_BNY, dv_BNY = flash_kernels.backward_dkv(
-      q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT,
-      None if segments is None else (seg_k[0], seg_q[1]), schedule=plan[1],
-      **st.kernel_args())
+  dkv_segments = None if segments is None else (seg_k[0], seg_q[1])
+  if st.fuse_backward:
+    dk_BNY, dv_BNY, dq_BTX = flash_kernels.backward_dkv(
+        q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT, dkv_segments, schedule=plan[1],
+        with_dq=True, **st.kernel_args())
+  else:
+    dq_BTX = flash_kernels.backward_dq(
+        q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT,
+        None if segments is None else (seg_q[0], seg_k[1]), schedule=plan[0],
+        **st.kernel_args())
+    dk_BNY, dv_BNY = flash_kernels.backward_dkv(
+        q_BTX, k_BNY, v_BNY, do_BTX, lse_BHT, di_BHT, dkv_segments, schedule=plan[1],
+        **st.kernel_args())
   if plan[2] is not None:  # keys no query sees: their kv blocks were never written
     keep_N1 = plan[2][:, None]
     dk_BNY, dv_BNY = (jnp.where(keep_N1, x, jnp.zeros((), x.dtype)) for x in (dk_BNY, dv_BNY))
@@ -381,7 +393,8 @@ def _query_starts(t: int, s: int, q_offset, q_chunk_starts) -> tuple[tuple[int, 
 def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
                     segment_ids_BT=None, block_q: int | None = None,
                     block_kv: int | None = None, interpret: Any = False,
-                    q_offset: int = 0, q_chunk_starts=None, q_chunk_row=0):
+                    q_offset: int = 0, q_chunk_starts=None, q_chunk_row=0,
+                    fuse_backward: bool | None = None):
   """Causal (optionally windowed, segmented) GQA attention via Pallas TPU kernels.
 
   Keys sit at positions 0..S-1 of a sequence; each query has a position in
@@ -405,6 +418,11 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
       per device).
     q_chunk_row: an int or a traced int32 scalar picking the row (e.g. the
       device's index on a mesh axis).
+    fuse_backward: one backward kernel computes dq, dk and dv (s and p once
+      per block pair) with dq summed in VMEM; False: separate dq and dk/dv
+      kernels; None: fused where its [R, T, K] dq buffer fits a third of the
+      chip's scoped VMEM (every 7B shape at T = 8,192; not the long-context
+      stage's 65,536).
 
   Only the (q block, kv block) pairs inside the causal/window band of the
   queries' positions are visited, so a query chunk costs what its own band
@@ -431,10 +449,15 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
   block_q = min(block_q, _round_up(chunk_len, flash_kernels.LANES))
   block_kv = min(block_kv, _round_up(s, flash_kernels.LANES))
   chunk_pad, s_pad = _round_up(chunk_len, block_q), _round_up(s, block_kv)
+  vmem_limit = _VMEM_LIMIT_BYTES.get(chip)
+  if fuse_backward is None:
+    fuse_backward = flash_kernels.fused_dq_vmem_bytes(
+        chunks * chunk_pad, h // g, k, q_BTHK.dtype.itemsize) <= (
+            vmem_limit or _INTERPRET_VMEM_BYTES) // 3
   st = _Static(num_heads=h, num_kv_heads=g, head_dim=k,
                window=None if window is None else int(window),
-               block_q=block_q, block_kv=block_kv,
-               vmem_limit_bytes=_VMEM_LIMIT_BYTES.get(chip), interpret=interpret)
+               block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit,
+               interpret=interpret, fuse_backward=bool(fuse_backward))
   fwd_VSP, dkv_VSP, visited_VN = _schedule_tables(s_pad, block_q, block_kv, st.window,
                                                   starts_VC, chunk_len)
   pick = lambda x: jnp.asarray(x[0]) if len(x) == 1 else jnp.asarray(x)[q_chunk_row]

@@ -1,7 +1,8 @@
-"""Pallas TPU kernels of flash attention: forward, dq, and dk/dv.
+"""Pallas TPU kernels of flash attention: forward, dq, and dk/dv (with dq fused in).
 
 Called by kernels/flash_attention.py, which picks block sizes and builds the
-block schedule. Every kernel walks a flattened list of visited (q block, kv
+block schedule, and whether the backward is one kernel (dk/dv with dq fused
+in, where dq's [R, T, K] float32 buffer fits VMEM) or two (dq apart). Every kernel walks a flattened list of visited (q block, kv
 block) pairs (`schedule`, int32 [4, P]: q block, kv block, flags, and the
 key position of the q block's first row; its rows are scalar-prefetched into
 SMEM and steer the BlockSpec index maps and the mask): the grid has
@@ -319,26 +320,34 @@ def backward_dq(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
 # share kv head g innermost, so one kv block's accumulators stay in VMEM while
 # every (q head, q block) that sees it is summed in. The kernel works on
 # transposed logits s^T [C, Q] (keys along sublanes): per-query statistics are
-# then [1, Q] rows and every matmul is a plain a @ b or a @ b.T.
+# then [1, Q] rows and every matmul is a plain a @ b or a @ b.T (the fused dq's
+# ds^T @ k transposes ds in VMEM first, as splash attention's fused kernel does).
 
 def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do_ref,
                 lse_ref, di_ref, *refs, scale, window, block_q, block_kv,
-                heads_per_kv, has_segments):
-  if has_segments:
-    segk_ref, segq_ref, dk_ref, dv_ref, dk_scr, dv_scr = refs
+                heads_per_kv, has_segments, with_dq):
+  refs = list(refs)
+  segk_ref, segq_ref = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
+  if with_dq:
+    dk_ref, dv_ref, dq_ref, dk_scr, dv_scr, dq_scr = refs
   else:
     dk_ref, dv_ref, dk_scr, dv_scr = refs
   p, rep = pl.program_id(2), pl.program_id(3)
-  qpos, kj, flags = qpos_ref[p], kblk_ref[p], flags_ref[p]
+  qpos, qi, kj, flags = qpos_ref[p], qblk_ref[p], kblk_ref[p], flags_ref[p]
 
   @pl.when(jnp.logical_and((flags & FIRST) != 0, rep == 0))
   def _init():
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
+  if with_dq:  # dq of every query row of this (kv head, sequence) stays in VMEM
+    @pl.when(jnp.logical_and(p == 0, rep == 0))
+    def _init_dq():
+      dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
   def step(masked: bool):
-    q, do = q_ref[...], do_ref[...]
-    s_CQ = _dot(k_ref[...], q, _NT) * scale
+    q, do, k = q_ref[...], do_ref[...], k_ref[...]
+    s_CQ = _dot(k, q, _NT) * scale
     if masked:
       s_CQ = _mask(s_CQ, kj * block_kv, qpos, window,
                    (segk_ref, segq_ref) if has_segments else None, keys_on_rows=True)
@@ -347,6 +356,9 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do
     dp_CQ = _dot(v_ref[...], do, _NT)
     ds_CQ = p_CQ * (dp_CQ - di_ref[:1, :])
     dk_scr[...] += _dot(ds_CQ.astype(q.dtype), q, _NN)
+    if with_dq:  # the same ds, transposed: dq needs no second pass over s and p
+      rows = pl.ds(pl.multiple_of(qi * block_q, block_q), block_q)
+      dq_scr[rep, rows, :] += _dot(ds_CQ.astype(k.dtype).T, k, _NN)
 
   _run_masked_or_not(flags, has_segments, step)
 
@@ -355,14 +367,26 @@ def _dkv_kernel(qblk_ref, kblk_ref, flags_ref, qpos_ref, q_ref, k_ref, v_ref, do
     dk_ref[...] = (dk_scr[...] * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
+  if with_dq:
+    @pl.when(jnp.logical_and(p == pl.num_programs(2) - 1, rep == heads_per_kv - 1))
+    def _finish_dq():
+      head_dim = dq_scr.shape[-1]
+      for r in range(heads_per_kv):
+        dq_ref[:, r * head_dim:(r + 1) * head_dim] = (dq_scr[r] * scale).astype(dq_ref.dtype)
+
 
 def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
                  schedule, num_heads, num_kv_heads, head_dim, window, block_q,
-                 block_kv, vmem_limit_bytes, interpret: Any):
-  """Returns dk, dv [B, N, Y] in k's dtype; schedule must be kv-major.
+                 block_kv, vmem_limit_bytes, interpret: Any, with_dq: bool = False):
+  """Returns dk, dv [B, N, Y] in k's dtype (and dq [B, T, X], with_dq); schedule kv-major.
 
   `segments` is (key ids [B, N, L], query ids [B, S, T]) or None. kv blocks
   that no schedule pair visits are not written (the caller zeroes them).
+  with_dq fuses backward_dq in: each pair's ds also gives its q block's dq
+  share, summed in a float32 [R, T, K] VMEM buffer per (kv head, sequence)
+  and written once at the end, so s and p are computed once per pair, not
+  twice (5 matmuls and one exp instead of 7 and two). The caller checks that
+  the buffer fits VMEM (fused_dq_vmem_bytes).
   """
   b, t, _ = q_BTX.shape
   g, r, k = num_kv_heads, num_heads // num_kv_heads, head_dim
@@ -403,25 +427,38 @@ def backward_dkv(q_BTX, k_BTY, v_BTY, do_BTX, lse_BHT, di_BHT, segments, *,
   steps = b * num_heads * num_pairs
   itemsize = q_BTX.dtype.itemsize
   cost = pl.CostEstimate(
-      flops=8 * steps * block_q * block_kv * k,
+      flops=(10 if with_dq else 8) * steps * block_q * block_kv * k,
       transcendentals=steps * block_q * block_kv,
-      bytes_accessed=steps * 2 * block_q * k * itemsize + 4 * k_BTY.size * itemsize)
+      bytes_accessed=steps * 2 * block_q * k * itemsize + 4 * k_BTY.size * itemsize
+      + (q_BTX.size * itemsize if with_dq else 0))
   kernel = functools.partial(
       _dkv_kernel, scale=k**-0.5, window=window, block_q=block_q,
-      block_kv=block_kv, heads_per_kv=r, has_segments=has_segments)
+      block_kv=block_kv, heads_per_kv=r, has_segments=has_segments, with_dq=with_dq)
   dkv_shape = jax.ShapeDtypeStruct(k_BTY.shape, k_BTY.dtype)
+  out_specs = [pl.BlockSpec((None, block_kv, k), kv_map),
+               pl.BlockSpec((None, block_kv, k), kv_map)]
+  out_shape = [dkv_shape, dkv_shape]
+  scratch = [pltpu.VMEM((block_kv, k), jnp.float32), pltpu.VMEM((block_kv, k), jnp.float32)]
+  if with_dq:  # the R query heads of kv head g are X's columns [g*R*K, (g+1)*R*K)
+    out_specs.append(pl.BlockSpec((None, t, r * k),
+                                  lambda gi, bi, p, ri, qblk, kblk, fl, qpos: (bi, 0, gi)))
+    out_shape.append(jax.ShapeDtypeStruct(q_BTX.shape, q_BTX.dtype))
+    scratch.append(pltpu.VMEM((r, t, k), jnp.float32))
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4, grid=(g, b, num_pairs, r), in_specs=in_specs,
-          out_specs=[pl.BlockSpec((None, block_kv, k), kv_map),
-                     pl.BlockSpec((None, block_kv, k), kv_map)],
-          scratch_shapes=[pltpu.VMEM((block_kv, k), jnp.float32),
-                          pltpu.VMEM((block_kv, k), jnp.float32)]),
-      out_shape=[dkv_shape, dkv_shape],
+          out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
       compiler_params=_compiler_params(
           ('parallel', 'parallel', 'arbitrary', 'arbitrary'), vmem_limit_bytes),
       cost_estimate=cost,
       interpret=interpret,
       name='flash_attention_dkv',
   )(schedule[0], schedule[1], schedule[2], schedule[3], *inputs)
+
+
+def fused_dq_vmem_bytes(q_len: int, heads_per_kv: int, head_dim: int, itemsize: int) -> int:
+  """VMEM that backward_dkv(with_dq=True) adds: the f32 dq buffer and its double-buffered
+  output block, both [R, T, K]."""
+  return heads_per_kv * q_len * head_dim * (4 + 2 * itemsize)

@@ -85,12 +85,14 @@ CASES = [
 ]
 
 
+# fused: dq comes from the dk/dv kernel (the default at these shapes); two: its own kernel.
+@pytest.mark.parametrize('fuse', [True, False], ids=['fused', 'two'])
 @pytest.mark.parametrize('t,h,g,d,window,segments,dtype,block_q,block_kv', CASES)
-def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, block_kv):
+def test_matches_float64_oracle(t, h, g, d, window, segments, dtype, block_q, block_kv, fuse):
   q, k, v, do, seg = _inputs(0, 1, t, h, g, d, dtype, segments)
   f = lambda q, k, v: kernels.flash_attention(
       q, k, v, window=window, segment_ids_BT=seg, block_q=block_q,
-      block_kv=block_kv, interpret=INTERPRET)
+      block_kv=block_kv, interpret=INTERPRET, fuse_backward=fuse)
   o, vjp = jax.vjp(jax.jit(f), q, k, v)  # one program, not op-by-op dispatch
   grads = vjp(do)
   o_ref, grads_ref = attention_np(q, k, v, do, window, seg)
@@ -303,8 +305,10 @@ OFFSET_CASES = [
 ]
 
 
+@pytest.mark.parametrize('fuse', [True, False], ids=['fused', 'two'])
 @pytest.mark.parametrize('s,h,g,d,window,segments,layout', OFFSET_CASES)
-def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segments, layout):
+def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segments, layout,
+                                                      fuse):
   q_full, k, v, do_full, seg = _inputs(5, 1, s, h, g, d, jnp.float32, segments)
   table = ((layout,),) if isinstance(layout, int) else layout
   chunk = s - layout if isinstance(layout, int) else s // (2 * len(table))
@@ -314,7 +318,7 @@ def test_query_offset_and_chunks_match_float64_oracle(s, h, g, d, window, segmen
   def run(q, k, v, do, row):
     f = lambda q, k, v: kernels.flash_attention(
         q, k, v, window=window, segment_ids_BT=seg, block_q=128, block_kv=128,
-        interpret=INTERPRET, q_chunk_row=row, **kwargs)
+        interpret=INTERPRET, q_chunk_row=row, fuse_backward=fuse, **kwargs)
     o, vjp = jax.vjp(f, q, k, v)
     return o, vjp(do)
 

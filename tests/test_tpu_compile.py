@@ -53,7 +53,7 @@ def test_libtpu_is_installed_for_the_tests():
   assert plan.libtpu_version(), "the test extra installs libtpu: pip install '.[test]'"
 
 
-def _attention_grad(topology, head_dim, window, segments, block=None, t=8192):
+def _attention_grad(topology, head_dim, window, segments, block=None, t=8192, fuse=None):
   """libtpu's compile of the flash kernel's forward and backward (T = 8,192: the 7B's)."""
   mesh = Mesh(plan.tpu_devices(topology)[:1], ('x',))
   replicated = NamedSharding(mesh, P())
@@ -63,7 +63,7 @@ def _attention_grad(topology, head_dim, window, segments, block=None, t=8192):
 
   def loss(q, k, v, seg):
     o = kernels.flash_attention(q, k, v, window=window, segment_ids_BT=seg, block_q=block,
-                                block_kv=block)
+                                block_kv=block, fuse_backward=fuse)
     return jnp.sum(o.astype(jnp.float32))
 
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the kernels see the chip
@@ -71,18 +71,23 @@ def _attention_grad(topology, head_dim, window, segments, block=None, t=8192):
     return lowered.as_text(), lowered.compile()
 
 
-# Every case on the v5e; the largest tiles (head_dim 256, window and segment ids) on
-# every other chip of the block table.
-CASES = ([('v5e:1x1', k, w, s) for k in (128, 256) for w, s in ((None, False), (4096, True))]
-         + [(t, 256, 4096, True) for t in ('v4:1x1x1', 'v5p:1x1x1', 'v6e:1x1', 'tpu7x:1x1x1')])
+# Every case on the v5e, the backward fused (dq summed in VMEM) and in two kernels; the
+# largest tiles (head_dim 256, window and segment ids) on every other chip of the block
+# table, with the backward each chip's VMEM picks (None).
+CASES = ([('v5e:1x1', k, w, s, f) for k in (128, 256) for w, s in ((None, False), (4096, True))
+          for f in (True, False)]
+         + [(t, 256, 4096, True, None)
+            for t in ('v4:1x1x1', 'v5p:1x1x1', 'v6e:1x1', 'tpu7x:1x1x1')])
 
 
-@pytest.mark.parametrize('topology,head_dim,window,segments', CASES)
+@pytest.mark.parametrize('topology,head_dim,window,segments,fuse', CASES)
 def test_mosaic_compiles_the_kernels_at_the_block_tables_sizes(topology, head_dim, window,
-                                                               segments):
-  text, compiled = _attention_grad(topology, head_dim, window, segments)
-  for name in ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv'):
-    assert name in text
+                                                               segments, fuse):
+  text, compiled = _attention_grad(topology, head_dim, window, segments, fuse=fuse)
+  assert 'flash_attention_fwd' in text and 'flash_attention_dkv' in text
+  # None: at K = 256 with two query heads per kv head, the fused backward's [2, 8192, 256]
+  # float32 dq buffer and its output block (34 MB) pass a third of every chip's VMEM limit.
+  assert ('flash_attention_dq' in text) == (fuse is not True)
   assert 'tpu_custom_call' in compiled.as_text()  # Mosaic kernels in the TPU executable
 
 
@@ -243,3 +248,30 @@ def test_splash_peer_compiles_for_the_v5e():
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg).compile()
   assert 'tpu_custom_call' in compiled.as_text()
+
+
+@pytest.mark.parametrize('groups', [1, 2])
+def test_full_remat_recomputes_the_forward_also_unscanned(groups):
+  """A model of one layer-pattern period is not scanned; its remat must still happen.
+
+  Without an optimisation barrier libtpu merged the lone group's recomputation with its
+  forward: every policy compiled to the flops (and, on a v5e, the time) of 'none'. A
+  recomputed forward adds about half of the backward's matmul flops.
+  """
+  mesh = Mesh(plan.tpu_devices('v5e:1x1')[:1], ('x',))
+  replicated = NamedSharding(mesh, P())
+  tokens = jnp.zeros((4, 256), jnp.int32)
+  flops = {}
+  for policy in ('none', 'full'):
+    cfg = config_checks.complete(small.get_config()).model
+    cfg.update(vocab_size=256, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32,
+               mlp_hidden=512, num_layers=2 * groups, layer_pattern='SF', sliding_window=64,
+               remat=policy, attention_impl='xla')
+    shapes = jax.eval_shape(lambda cfg=cfg: model.init_params(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                          shapes)
+    loss = lambda p, cfg=cfg: jnp.mean(model.logits(p, tokens, cfg).astype(jnp.float32) ** 2)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+    flops[policy] = compiled.cost_analysis()['flops']
+  assert flops['full'] > 1.2 * flops['none'], flops
