@@ -260,4 +260,3 @@ def test_importing_the_model_changes_no_environment():
   proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stderr[-2000:]
-
