@@ -1,11 +1,13 @@
 """Pallas TPU kernels of flash attention: forward, dq, and dk/dv (with dq fused in).
 
-Called by kernels/flash_attention.py, which picks block sizes and builds the
-block schedule, and whether the backward is one kernel (dk/dv with dq fused
-in, where dq's [R, T, K] float32 buffer fits VMEM) or two (dq apart). Every kernel walks a flattened list of visited (q block, kv
-block) pairs (`schedule`, int32 [4, P]: q block, kv block, flags, and the
-key position of the q block's first row; its rows are scalar-prefetched into
-SMEM and steer the BlockSpec index maps and the mask): the grid has
+Called by kernels/flash_attention.py, which picks block sizes, builds the
+block schedule, and decides whether the backward is one kernel (dk/dv with dq
+fused in, where dq's [R, T, K] float32 buffer fits VMEM) or two (dq apart).
+
+Every kernel walks a flattened list of visited (q block, kv block) pairs
+(`schedule`, int32 [4, P]: q block, kv block, flags, and the key position of
+the q block's first row; its rows are scalar-prefetched into SMEM and steer
+the BlockSpec index maps and the mask): the grid has
 exactly P steps per (head, batch), so kv blocks outside the causal/window band
 cost neither a DMA nor an empty grid step. Heads lead the grid because they
 are the 'parallel' axis that is always large enough to split across the two
