@@ -165,8 +165,8 @@ def test_7b_plan_in_seconds_with_the_pallas_kernel_in_the_tpu_step():
   assert 'parameters  7,298,617,344' in out
   assert 'target      8 devices' in out and 'params         3.65 GB/device' in out
   assert 'tpu: pallas' in out
-  assert ('lowered for the TPU: flash_attention_fwd, flash_attention_dq, flash_attention_dkv'
-          in out)
+  # One query head per kv head at T 8,192: dq's buffer fits v5p's VMEM, the backward fuses.
+  assert 'lowered for the TPU: flash_attention_fwd, flash_attention_dkv' in out
   assert elapsed < 120, f'{elapsed:.0f} s'
 
 
@@ -184,7 +184,7 @@ def test_step_lowered_for_a_tpu_contains_the_pallas_kernels(chip):
   cfg.model.update(num_heads=2, num_kv_heads=1, head_dim=128)
   cfg.data.seq_len = 256
   kernels = plan.tpu_kernels_in_step(cfg, chip, {'data': 1, 'fsdp': 8, 'tensor': 1})
-  assert kernels == ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
+  assert kernels == ('flash_attention_fwd', 'flash_attention_dkv')  # the backward fused
   with pytest.raises(ValueError, match='--chip'):
     plan.tpu_kernels_in_step(cfg, 'v2', {'data': 1, 'fsdp': 8, 'tensor': 1})
 
