@@ -14,16 +14,16 @@ One directory per step:
 
 On a filesystem a save writes into <directory>/tmp.step_<N>.<nonce>/; process 0
 then renames it to step_<N> and writes COMMIT. In a gs:// or s3:// bucket (no
-rename; storage.py) it writes straight under step_<N>/ and COMMIT, written last
+rename; store/storage.py) it writes straight under step_<N>/ and COMMIT, written last
 by process 0 after every process has written and metadata.json is in place, is
 the commit. A crash at any point leaves earlier steps intact, and the next
 Checkpointer (or its save or restore) removes tmp.* directories; a step_<N>
 without COMMIT is re-committed if it verifies in full and removed otherwise
-(step_dirs.tidy). WorkdirLock (workdir_lock.py) keeps a second run out of the same
+(step_dirs.tidy). WorkdirLock (hosts/workdir_lock.py) keeps a second run out of the same
 workdir, whose in-flight save would otherwise look like such leftovers.
 
 The bytes of a step (chunked zarr3 arrays, checksums, metadata.json) are
-chunk_store.py's: each array's chunk grid follows the saving sharding's shards,
+store/chunk_store.py's: each array's chunk grid follows the saving sharding's shards,
 so every process writes whole chunks of the shards it owns (replica_id == 0)
 and no two processes touch one file; restore reads the chunks that cover each
 target device's slice, verifies them, and cuts the slice out, so a checkpoint
@@ -56,18 +56,19 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-import chunk_store
 import errors
-from chunk_store import (CHECKSUM, FORMAT_VERSION, METADATA, Box, CheckpointReadError,
+from store import chunk_store
+from store.chunk_store import (CHECKSUM, FORMAT_VERSION, METADATA, Box, CheckpointReadError,
                          CorruptCheckpointError)
-from host_sync import Sync
-import step_dirs
-import storage
-from step_dirs import COMMIT, committed_steps, latest_healthy_step, latest_step, read_metadata
-import workdir_lock
-from workdir_lock import LOCK, WorkdirLock, WorkdirLockedError
+from hosts.host_sync import Sync
+from store import step_dirs
+from store import storage
+from store.step_dirs import COMMIT, committed_steps, latest_healthy_step, latest_step, read_metadata
+from hosts import workdir_lock
+from hosts.workdir_lock import LOCK, WorkdirLock, WorkdirLockedError
 
-# What other modules use, as checkpoint.<name> (some defined in chunk_store.py, workdir_lock.py).
+# What other modules use, as checkpoint.<name> (some defined in store/chunk_store.py,
+# hosts/workdir_lock.py).
 __all__ = ['Checkpointer', 'restore', 'restore_latest_good', 'read_metadata', 'read_array',
            'committed_steps', 'latest_step', 'latest_healthy_step', 'save_streamed',
            'WorkdirLock', 'WorkdirLockedError', 'CorruptCheckpointError', 'CheckpointReadError',

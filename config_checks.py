@@ -30,12 +30,12 @@ import ml_collections
 import errors
 import kernels
 import model
+from monitor import profiler
+from monitor import tracking
 import optim
-import profiler
-import run_tokenizer
-import storage
-import token_files
-import tracking
+from store import storage
+from tokens import run_tokenizer
+from tokens import token_files
 
 # --- What the data says about itself ---------------------------------------------------
 

@@ -6,8 +6,8 @@
         [--config=configs/olmo3_7b.py --config.data.mix_file=MIX ...]    # the run's config
     python convert.py --from_ckpt=CKPT_DIR --to_olmo_core=STEP_DIR       # ours -> OLMo-core
 
-The formats live in hf_ckpt.py (HF safetensors and config dialects) and
-olmo_core_ckpt.py (weights, AdamW moments, step, data position; needs torch:
+The formats live in formats/hf_ckpt.py (HF safetensors and config dialects) and
+formats/olmo_core_ckpt.py (weights, AdamW moments, step, data position; needs torch:
 pip install '.[olmo-core]'); this file only parses flags.
 
 Where --to puts the checkpoint:
@@ -40,13 +40,13 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import checkpoint
-import ckpt_files
 import config_checks
-import download
 import errors
-import hf_ckpt
-import olmo_core_ckpt
-import storage
+from formats import ckpt_files
+from formats import hf_ckpt
+from formats import olmo_core_ckpt
+from store import download
+from store import storage
 
 WORKDIR_CHECKPOINTS = 'checkpoints'  # train.py's <workdir>/checkpoints
 

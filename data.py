@@ -5,7 +5,7 @@ OLMo-core's `NumpyFSLDataset` + `NumpyFSLDataLoader` produced at that step,
 instance for instance (docs/data.md):
 
   files   raw little-endian uint32 tokens, read by memory map (gs://, s3://,
-          http(s):// files by byte range: remote_tokens.py); file f gives
+          http(s):// files by byte range: tokens/remote_tokens.py); file f gives
           n_f = tokens_f // T instances (remainder dropped) and owns the global
           ids [sum_{g<f} n_g, sum_{g<=f} n_g), files in mix order.
   order   epoch e (from 1): PCG64(seed + e) shuffle of arange(N, uint32), cached
@@ -21,15 +21,15 @@ Stage 3 swaps the instances for OLMo-core's `NumpyPackedFSLDataset`
 best-fit-decreasing into instances of T, padded; the order, batches and ranks
 above apply unchanged to its instance ids.
 
-Reading order (token_files.py holds mixes, file checks and the fingerprint;
-packed.py the packed dataset; batches.py a batch from instances and the
+Reading order (tokens/token_files.py holds mixes, file checks and the fingerprint;
+tokens/packed.py the packed dataset; tokens/batches.py a batch from instances and the
 data-parallel and host split of the global batch):
 
   dataset_from_config, wants_segments   which dataset cfg.data asks for.
   Loader                                the prefetching iterator train.py runs.
   held_out_batches, validation_batches  the fixed held-out batches.
   check_same_data, check_position       what a resume refuses.
-  Skips (skips.py)                      global batches a run skips (rollback.py).
+  Skips (tokens/skips.py)               global batches a run skips (monitor/rollback.py).
   permutation, global_batch_ids         the global order.
   Dataset                               the FSL dataset (stages 1-2).
 
@@ -50,11 +50,11 @@ from absl import logging
 import jax
 import numpy as np
 
-import batches
 from errors import DataError
-import packed
-from skips import Skips  # data.Skips: the skipped global batches (rollback.py)
-import token_files
+from tokens import batches
+from tokens import packed
+from tokens.skips import Skips  # data.Skips: the skipped global batches (monitor/rollback.py)
+from tokens import token_files
 
 
 # ----------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class Loader:
 
 
 # ----------------------------------------------------------------------------
-# Held-out batches (batches.py builds a batch from instances).
+# Held-out batches (tokens/batches.py builds a batch from instances).
 
 
 def held_out_batches(cfg_data: Any, divisor: Any, rows: Any = None) -> list | None:

@@ -49,7 +49,7 @@ from absl import app, flags
 import checkpoint
 import data
 import errors
-import storage
+from store import storage
 from evaluation import compare, deps, plots, scoring, suites
 from evaluation.scoring import Scorer, load_model, load_tokenizer
 from evaluation.tasks import TASKS

@@ -21,7 +21,7 @@ Parameters (the checkpoint format; layer i is row i of every [L, ...] array):
   mlp_norm/scale       [L, D]          (applied to the MLP output)
   final_norm/scale     [D]
   lm_head/w            [D, V]
-Weights are stored [in, out] (HF stores [out, in]; hf_ckpt.py transposes).
+Weights are stored [in, out] (HF stores [out, in]; formats/hf_ckpt.py transposes).
 `param_shapes` is this table in code.
 """
 
@@ -285,7 +285,7 @@ def param_shapes(cfg: ml_collections.ConfigDict) -> dict[str, dict[str, tuple[in
   """{module: {name: shape}} of every parameter: the one table of the checkpoint format.
 
   `_forward` creates its parameters from it, `param_count` counts it, and the
-  converters (hf_ckpt.py, olmo_core_ckpt.py) check and place tensors by it.
+  converters (formats/hf_ckpt.py, formats/olmo_core_ckpt.py) check and place tensors by it.
   """
   L, D, F, V = cfg.num_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
   HK, GK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

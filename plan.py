@@ -68,13 +68,13 @@ from ml_collections import config_flags
 import numpy as np
 
 import config_checks
-import batches
 import errors
 import kernels
 from kernels import flash_kernels
 import model
 import optim
 import sharding
+from tokens import batches
 import train
 
 # Per-device memory (decimal GB, vendor spec sheets): TPU v4 32 GB HBM2, v5e 16 GB,

@@ -25,9 +25,9 @@ import ml_collections
 import numpy as np
 
 import errors
+from hosts import peers
 import kernels
 import model
-import peers
 
 BATCH_AXES = model.BATCH_AXES  # the global batch is split over ('data', 'fsdp')
 MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # 'context' only when train.mesh_context > 1
@@ -252,7 +252,7 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   if given and process_id == 0:
     check_coordinator_port(coordinator_address)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  # A dead peer is noticed by its missing heartbeats: the survivors end (peers.py)
+  # A dead peer is noticed by its missing heartbeats: the survivors end (hosts/peers.py)
   # instead of hanging in a collective, so the run can be restarted.
   try:
     client, address = initialize_with_callback(
@@ -276,7 +276,7 @@ def initialize_with_callback(on_lost: Any, **kwargs: Any) -> tuple[Any, str | No
   missed_heartbeat_callback; returns (the client, the coordinator's address).
 
   The one use of jaxlib's private API: jax.distributed.initialize does not pass the
-  callback through, and without one the client aborts the process (peers.py).
+  callback through, and without one the client aborts the process (hosts/peers.py).
   initialize calls _jax.get_distributed_runtime_client(address, process_id, ...), swapped
   here for the call's length (tests/test_multihost.py checks both signatures). A JAX
   that no longer calls it gets (None, None): the abort stays, nothing else changes.

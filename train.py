@@ -4,19 +4,19 @@ The same command starts a fresh run or resumes the latest good checkpoint in
 --workdir. Before anything is allocated it checks the config, the data
 settings and that params + Adam moments fit the devices; `python plan.py`
 answers the fuller question (temporaries, FLOPs, other meshes) ahead of time.
-One run at a time may use a workdir (workdir_lock.py).
+One run at a time may use a workdir (hosts/workdir_lock.py).
 
 Exit codes (errors.py): 0 done; 1 a crash; 2 a usage or config mistake and 5
 a data mistake (one line names the fix; the stack goes to <workdir>/error.log);
-3 preempted (a checkpoint written); 4 diverged, after rollback.py's attempts
+3 preempted (a checkpoint written); 4 diverged, after monitor/rollback.py's attempts
 to restore the last healthy checkpoint and skip the spike's data. Earlier
 checkpoints stay intact in every case.
 
 Reading order: the train state, the step (one loss for training and
 held-out evaluation), the loop, the command line. Around it: sharding.py
 (mesh, shardings, memory, hosts), loss.py, optim.py, data.py, checkpoint.py,
-metrics.py (what a run reports), health.py (what stops it), rollback.py (what
-restarts it from a healthy state instead).
+monitor/metrics.py (what a run reports), monitor/health.py (what stops it), monitor/rollback.py
+(what restarts it from a healthy state instead).
 Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
@@ -39,28 +39,28 @@ import numpy as np
 
 import checkpoint
 import config_checks
-import batches
 import data
 import errors
-import goodput
-import health
-import host_sync
-import hf_ckpt
+from evaluation import held_out
+from evaluation import sample
+from formats import hf_ckpt
+from hosts import host_sync
+from hosts import peers
+from hosts import workdir_lock
 import kernels
 import loss
-import metrics
 import model
+from monitor import goodput
+from monitor import health
+from monitor import metrics
+from monitor import profiler
+from monitor import rollback
+from monitor import tracking
 import optim
-import peers
-import profiler
-import rollback
-import sample
 import sharding
-import step_dirs
-import storage
-import tracking
-import workdir_lock
-from evaluation import held_out
+from store import step_dirs
+from store import storage
+from tokens import batches
 
 FLAGS = flags.FLAGS  # defined by run(): importing this module defines no flags
 BATCH_AXES = sharding.BATCH_AXES
@@ -194,7 +194,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, accum: 
   """
   def train_step(state: TrainState, batch: dict[str, jax.Array], lr_factor=1.0):
     # lr_factor (a traced scalar: a new value does not recompile) scales the update: for
-    # AdamW with decoupled decay multiplied by the LR, exactly scaling the LR (rollback.py).
+    # AdamW with decoupled decay multiplied by the LR, exactly scaling the LR (monitor/rollback.py).
     denominator = loss.denominator(batch['labels'], batch['instance_mask'])
     denominator = jnp.maximum(denominator, 1).astype(jnp.float32)
 
@@ -308,7 +308,8 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
          recovery: rollback.Recovery, make_loader: Any, account: goodput.Account
          ) -> tuple[TrainState, dict[str, float]]:
   """Steps from `start` to cfg.train.steps: log, judge, evaluate, checkpoint; stops on a
-  signal (EXIT_PREEMPTED) or a divergence (EXIT_DIVERGED) that rollback.py may not recover."""
+  signal (EXIT_PREEMPTED) or a divergence (EXIT_DIVERGED) that monitor/rollback.py may not
+  recover."""
   step = start
   if start == cfg.train.steps:
     print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '

@@ -64,7 +64,7 @@ def _value(start: int, n: int) -> np.ndarray:
 
 def _tensors(num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
   """(OLMo-core key, shape) of every tensor of model + AdamW, in a fixed order."""
-  import olmo_core_ckpt as occ  # pylint: disable=import-outside-toplevel
+  from formats import olmo_core_ckpt as occ  # pylint: disable=import-outside-toplevel
   d, f, v = _D_MODEL.value, _MLP.value, _VOCAB.value
   shapes = {'embeddings.weight': (v, d), 'lm_head.norm.weight': (d,),
             'lm_head.w_out.weight': (v, d), 'feed_forward.w1.weight': (f, d),
@@ -134,7 +134,7 @@ def peak_rss(cmd: list[str]) -> float:
 def _check(tensors, ckpt: str, export: str) -> None:
   """A few converted values equal the written ones (layer 0's w1, the lm_head), both ways."""
   import checkpoint  # pylint: disable=import-outside-toplevel
-  import olmo_core_reader  # pylint: disable=import-outside-toplevel
+  from formats import olmo_core_reader  # pylint: disable=import-outside-toplevel
   index = {key: (k, shape) for k, (key, shape) in enumerate(tensors)}
   reader = olmo_core_reader.Reader(os.path.join(export, 'model_and_optim'))
   for key, ours, box in (
@@ -161,7 +161,7 @@ def main(argv):
   root = _DIR.value or tempfile.mkdtemp(prefix='bench_convert_memory_')
   os.makedirs(root, exist_ok=True)
   py = sys.executable
-  base = peak_rss([py, '-c', 'import convert, olmo_core_ckpt, torch'])
+  base = peak_rss([py, '-c', 'import convert; from formats import olmo_core_ckpt; import torch'])
   rows = []
   try:
     for layers in map(int, _LAYERS.value):

@@ -29,8 +29,8 @@ from absl import flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import batches  # noqa: E402  pylint: disable=wrong-import-position
 import data  # noqa: E402  pylint: disable=wrong-import-position
+from tokens import batches  # noqa: E402  pylint: disable=wrong-import-position
 
 _MODE = flags.DEFINE_enum('mode', 'throughput', ['throughput', 'full_scale'], 'What to measure.')
 _WORKDIR = flags.DEFINE_string('workdir', '', 'Scratch directory (default: a fresh temp dir).')

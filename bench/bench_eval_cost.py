@@ -45,7 +45,7 @@ xla.set_cpu_flags()  # as train.run does, before a backend starts
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from configs import small  # pylint: disable=g-import-not-at-top,wrong-import-position
-import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
+from monitor import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 EVALS = ('eval/lm/time (s)', 'eval/downstream/time (s)')

@@ -11,7 +11,7 @@ Restart (configs/small.py, train.py as a user runs it, one CPU device; with
   warm   the same command with train.steps raised by `steps`: it resumes from
          that checkpoint, with the compilation cache (train.compilation_cache_dir
          'auto' = <workdir>/xla_cache) and the plan cache the cold run left.
-Each prints `time to first step` (goodput.py: from the process's start as the
+Each prints `time to first step` (monitor/goodput.py: from the process's start as the
 OS records it, imports included); the ratio warm / cold is the answer (the
 issue's bar: at most 1/3). Whether JAX's persistent cache served the train
 step is read from JAX's own monitoring events in the child (printed as

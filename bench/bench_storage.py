@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / 'tests'))
 import checkpoint  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fault_proxy import FaultProxy  # pylint: disable=g-import-not-at-top,wrong-import-position
 import servers  # pylint: disable=g-import-not-at-top,wrong-import-position
-import storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from store import storage  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def make_state(size_mb: int) -> dict:

@@ -33,11 +33,11 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from configs import small  # pylint: disable=g-import-not-at-top,wrong-import-position
-import batches  # pylint: disable=g-import-not-at-top,wrong-import-position
-import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import model  # pylint: disable=g-import-not-at-top,wrong-import-position
+from monitor import metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import optim  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tokens import batches  # pylint: disable=g-import-not-at-top,wrong-import-position
 import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

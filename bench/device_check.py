@@ -113,7 +113,7 @@ def step_setup(cfg):
 
 
 def check_step(cfg, args) -> dict:
-  import metrics  # pylint: disable=import-outside-toplevel
+  from monitor import metrics  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
   step, state, batch = step_setup(cfg)
   start = time.perf_counter()
@@ -334,7 +334,7 @@ def check_restart(args) -> dict:
 
 
 def child(args) -> None:
-  import goodput  # pylint: disable=import-outside-toplevel
+  from monitor import goodput  # pylint: disable=import-outside-toplevel
   hits = []
   jax.monitoring.register_event_listener(
       lambda event, **kw: hits.append(event) if 'compilation_cache/cache_hits' in event else None)

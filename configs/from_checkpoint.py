@@ -19,7 +19,7 @@ import ml_collections
 import checkpoint
 from configs import olmo3_7b
 import errors
-import storage
+from store import storage
 
 
 def _stored(path: str) -> dict:

@@ -175,10 +175,11 @@ def get_config() -> ml_collections.ConfigDict:
   # '' = off.
   c.train.compilation_cache_dir = 'auto'
   # A jax.profiler trace of the steps logged START..STOP, e.g. (5, 7), into <workdir>/profile
-  # (ours, as OLMo-core's ProfilerCallback; profiler.py, docs/monitoring.md); () = off.
+  # (ours, as OLMo-core's ProfilerCallback; monitor/profiler.py, docs/monitoring.md); () = off.
   c.train.profile_steps = ()
   c.train.profile_hosts = (0,)  # the processes that trace
-  # Weights & Biases (tracking.py; pip install '.[wandb]'): OLMo-core WandBCallback's fields.
+  # Weights & Biases (monitor/tracking.py; pip install '.[wandb]'): the fields of
+  # OLMo-core's WandBCallback.
   c.train.wandb = ml_collections.ConfigDict()
   c.train.wandb.project = ''  # WandBCallback.project; '' = W&B off
   c.train.wandb.entity = ''  # WandBCallback.entity (team); '' = the API key's default
@@ -201,7 +202,7 @@ def get_config() -> ml_collections.ConfigDict:
   # its sigma, so the next steps pass; only a run that keeps producing NaNs or
   # ever-growing spikes skips 100 in a row.
   c.train.max_consecutive_skips = 100
-  # Automatic rollback (ours; rollback.py, docs/rollback.md). When the guard trips, restore
+  # Automatic rollback (ours; monitor/rollback.py, docs/rollback.md). When the guard trips, restore
   # the last healthy checkpoint, skip the global batches read since it (plus a margin) and
   # go on, at most this many times per run; 0 stops at the first trip (exit 4), as before.
   # On by default: a stopped 1,000-chip run costs more than a few skipped batches.

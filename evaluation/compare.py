@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
-import model
 from evaluation import deps
 from evaluation import scoring
+import model
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]  # tokens [B, T] -> float32 logits [B, T, V]
 

@@ -21,10 +21,10 @@ from jax.sharding import Mesh
 import ml_collections
 import numpy as np
 
-import batches
 import data
-import sharding
 from evaluation import in_loop
+import sharding
+from tokens import batches
 
 
 def sets(cfg_data: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:

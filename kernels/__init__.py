@@ -19,6 +19,9 @@ cross-entropy sums for a chunk of positions, with a backward that writes the
 logits' gradient over them in place (loss.py calls it).
 
 Shapes: B batch, T queries, S keys, H query heads, G kv heads, K head_dim.
+
+kernels/ imports nothing of the project outside itself: model.py, loss.py and every
+layer above may call it (tests/test_layout.py).
 """
 
 from collections.abc import Callable

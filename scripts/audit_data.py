@@ -72,14 +72,14 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import batches  # noqa: E402  (the repository root must be on the path first)
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
-import health  # noqa: E402
-import rollback  # noqa: E402
-import storage  # noqa: E402
-import token_files  # noqa: E402
+from monitor import health  # noqa: E402
+from monitor import rollback  # noqa: E402
+from store import storage  # noqa: E402
+from tokens import batches  # noqa: E402  (the repository root must be on the path first)
+from tokens import token_files  # noqa: E402
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 _CHUNK_STEPS = 1024  # steps whose ids are marked in one vectorized call

@@ -5,7 +5,7 @@ olmo_core/data/mixes/: stage 1 `OLMo-mix-0925-official`, stage-2 midtraining
 `OLMo-midtraining-mix-0925-ingredient1-100B`, ..., stage-3 long context
 `OLMo-longmino-mix-0925`); each path, with `{TOKENIZER}` substituted, is
 joined to --base_url. Files land under --output_dir with the same relative
-paths, through download.py (parallel, resumed, retried, verified); a local
+paths, through store/download.py (parallel, resumed, retried, verified); a local
 mix `label,absolute path,bytes` is written only once every file is in place:
 
   python scripts/fetch_data.py --mix=OLMo-mix-0925-official --output_dir=/data/olmo3 --list
@@ -42,10 +42,10 @@ from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import download  # noqa: E402  (the repository root must be on the path first)
 import errors  # noqa: E402
-import storage  # noqa: E402
-import token_files  # noqa: E402  (not data.py: a listing needs no JAX)
+from store import download  # noqa: E402  (the repository root must be on the path first)
+from store import storage  # noqa: E402
+from tokens import token_files  # noqa: E402  (not data.py: a listing needs no JAX)
 
 FLAGS = flags.FLAGS  # defined by define_flags() when run as a script
 
@@ -227,7 +227,7 @@ def write_remote_mix(path: str, files: list[tuple[str, str]], urls: list[str], f
 def canonical_flags() -> None:
   """The location flags in storage.canonical's one form, or one line (exit 2) before any work.
   --base_url is read (a path, gs://, s3://, http(s)://); the files, the local mix and the
-  checksums are local (download.py writes local files; copy them up afterwards)."""
+  checksums are local (store/download.py writes local files; copy them up afterwards)."""
   if FLAGS.base_url:
     FLAGS.base_url = storage.canonical(FLAGS.base_url, '--base_url', writes=False)
   for name in ('output_dir', 'local_mix', 'remote_mix', 'checksums'):

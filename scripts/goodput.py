@@ -3,7 +3,7 @@
     python scripts/goodput.py --workdir=W [--json]
 
 Reads <workdir>/goodput/ (a path or a gs:// / s3:// URL), which train.py's
-process 0 keeps up to date at every log and save step (goodput.py; the
+process 0 keeps up to date at every log and save step (monitor/goodput.py; the
 categories are in docs/goodput.md). Prints the one line train.py prints when a
 process ends, then seconds and % per category; --json prints the account as
 one JSON object. Works while the run is going: the running process counts up
@@ -19,8 +19,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import errors  # noqa: E402
-import goodput  # noqa: E402
-import storage  # noqa: E402
+from monitor import goodput  # noqa: E402
+from store import storage  # noqa: E402
 
 FLAGS = flags.FLAGS
 

@@ -29,13 +29,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config_checks  # noqa: E402
-import batches  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
-import packed  # noqa: E402
-import rollback  # noqa: E402
-import run_tokenizer  # noqa: E402
-import storage  # noqa: E402
+from monitor import rollback  # noqa: E402
+from store import storage  # noqa: E402
+from tokens import batches  # noqa: E402
+from tokens import packed  # noqa: E402
+from tokens import run_tokenizer  # noqa: E402
 
 
 def describe(cfg, *, step: int | None = None, batch: int | None = None, rank: int | None = None,

@@ -31,7 +31,7 @@ seconds, not paused, makes the launcher kill the trainer's whole process group
 compile does not kill a trainer that is compiling.
 
 A process of a multi-process run that dies makes train.py's other processes
-stop with one `error:` line naming it and exit 1 (peers.py), restarted like a
+stop with one `error:` line naming it and exit 1 (hosts/peers.py), restarted like a
 crash. A trainer that aborts instead (SIGABRT: a bare jax.distributed client) is
 restarted like any signal death; its stderr passes through the launcher, which
 reads the lost process's number from jax.distributed's own log lines and says
@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402  (repo root on the path first)
 import errors  # noqa: E402
-import storage  # noqa: E402
+from store import storage  # noqa: E402
 
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'
 PAUSED = b'paused'  # health.PAUSED: the trainer is compiling, the watchdog does not count

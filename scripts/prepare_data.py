@@ -95,7 +95,7 @@ if _HERE not in sys.path:
   sys.path.append(_HERE)  # scripts/ (already first when run as a script): prepare_inputs
 import errors  # noqa: E402  (the paths above first)
 from errors import ConfigError, DataError  # noqa: E402
-import storage  # noqa: E402
+from store import storage  # noqa: E402
 # Re-exported for callers (tests, bench/): the input side lives in prepare_inputs.py.
 from prepare_inputs import (DOLMA2_IN_WHEEL, INVALID_UNICODE, Chunk,  # noqa: E402,F401
                             check_text, dolma2_path, iter_documents, leave_out_own_outputs,

@@ -28,7 +28,7 @@ import zipfile
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from errors import ConfigError, DataError, MissingDataError
-import storage
+from store import storage
 
 INVALID_UNICODE = ('replace', 'error')  # --invalid_unicode policies
 _SURROGATE = re.compile('[\ud800-\udfff]')  # json.loads pairs escaped halves; these are lone

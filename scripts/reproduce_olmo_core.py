@@ -67,11 +67,11 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import data  # noqa: E402  (after the repository root is importable)
-import hf_ckpt  # noqa: E402
-import olmo_core_ckpt  # noqa: E402
 from configs import tiny_repro  # noqa: E402
+import data  # noqa: E402  (after the repository root is importable)
 from evaluation.compare import compare_logits  # noqa: E402
+from formats import hf_ckpt  # noqa: E402
+from formats import olmo_core_ckpt  # noqa: E402
 
 IGNORE_INDEX = -100
 

@@ -234,8 +234,9 @@ def s3_server() -> Iterator[tuple[str, str]]:
 
 
 def upload(url_prefix: str, files: dict[str, bytes]) -> None:
-  """Writes {name: bytes} under a gs:// or s3:// prefix (through storage.py)."""
-  import storage  # pylint: disable=import-outside-toplevel  # the repository root is on the path
+  """Writes {name: bytes} under a gs:// or s3:// prefix (through store/storage.py)."""
+  # The repository root is on the path.
+  from store import storage  # pylint: disable=import-outside-toplevel
   for name, content in files.items():
     storage.write(storage.join(url_prefix, name), content)
 

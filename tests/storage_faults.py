@@ -21,7 +21,7 @@ KILLS = ('mid-chunks', 'before-metadata', 'before-commit')
 
 _HOOKS = {
     'mid-chunks': '''
-import chunk_store
+from store import chunk_store
 _write_local = chunk_store.write_local
 def write_local(root, arrays, *args, **kw):
   if root.rstrip('/').endswith('step_' + os.environ['KILL_STEP']):
@@ -31,7 +31,7 @@ def write_local(root, arrays, *args, **kw):
 chunk_store.write_local = write_local
 ''',
     'before-metadata': '''
-import step_dirs
+from store import step_dirs
 _commit = step_dirs.commit
 def commit(directory, staged, step, *args, **kw):
   if step == int(os.environ['KILL_STEP']):
@@ -40,7 +40,7 @@ def commit(directory, staged, step, *args, **kw):
 step_dirs.commit = commit
 ''',
     'before-commit': '''
-import storage
+from store import storage
 _write_atomic = storage.write_atomic
 def write_atomic(path, data, fsync=True):
   if path.endswith('/step_' + os.environ['KILL_STEP'] + '/COMMIT'):

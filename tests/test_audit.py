@@ -17,10 +17,10 @@ import numpy as np
 from olmo_core.data.utils import find_periodic_sequences
 import pytest
 
-import batches
 import data
+from monitor import health
 from script_module import load_script
-import health
+from tokens import batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'audit_data.py')

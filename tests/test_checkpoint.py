@@ -1,5 +1,5 @@
-"""Tests for checkpoint.py (and its chunk_store.py, step_dirs.py, workdir_lock.py): bit-exact
-round trips, resharding, atomicity, faults.
+"""Tests for checkpoint.py (and its store/chunk_store.py, store/step_dirs.py,
+hosts/workdir_lock.py): bit-exact round trips, resharding, atomicity, faults.
 
 References are the numpy arrays the states are built from (kept on the host,
 never read back from a checkpoint) and, for casts, XLA's own convert.
@@ -34,9 +34,9 @@ import pytest
 
 import checkpoint
 import errors
-import chunk_store
+from hosts import workdir_lock
 import servers
-import workdir_lock
+from store import chunk_store
 from xla_flags import with_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -609,7 +609,7 @@ def test_tampered_metadata_is_corruption(tmp_path, caplog, damage, named):
 
 _LOCK_HOLDER = r"""
 import sys, time
-import workdir_lock
+from hosts import workdir_lock
 with workdir_lock.WorkdirLock(sys.argv[1]):
   print('held', flush=True)
   time.sleep(600)

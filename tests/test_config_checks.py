@@ -10,8 +10,8 @@ import pathlib
 import pytest
 
 import config_checks
-import step_dirs
 import errors
+from store import step_dirs
 from configs import olmo3_7b, small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

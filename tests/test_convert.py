@@ -1,4 +1,4 @@
-"""convert.py's command line and hf_ckpt.py's checkpoint handling against HF transformers
+"""convert.py's command line and formats/hf_ckpt.py's checkpoint handling against HF transformers
 (CPU torch).
 
 The weight mapping itself is tested in test_model.py; here: HF -> checkpoint ->
@@ -21,10 +21,10 @@ import torch
 from transformers import AutoTokenizer, Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
-import ckpt_files
 import config_checks
 import errors
-import hf_ckpt
+from formats import ckpt_files
+from formats import hf_ckpt
 import model
 from configs import olmo3_7b_stage3, small
 
@@ -245,7 +245,7 @@ def test_equal_settings_are_not_reported_as_differences(caplog):
   """checked_base (convert.py --from_olmo_core --config): 0.0003 and config.json's
   lr x alpha_f = 0.00030000000000000003 are one LR, and no_decay patterns that select the
   same parameters are one setting; a real difference is still logged."""
-  import olmo_core_config  # pylint: disable=import-outside-toplevel
+  from formats import olmo_core_config  # pylint: disable=import-outside-toplevel
   from configs import olmo3_7b  # pylint: disable=import-outside-toplevel
   base = olmo3_7b.get_config()
   base.opt.lr, base.opt.final_lr, base.opt.no_decay = 0.003, 0.0003, ('embed/.*',)

@@ -16,11 +16,11 @@ from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderC
 from olmo_core.data.utils import get_document_lengths, get_labels
 from tokenizers import Tokenizer
 
-import batches
-import data
-import servers
 from configs import olmo3_7b
+import data
 from script_module import load_script
+import servers
+from tokens import batches
 from xla_flags import with_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""download.py against a real local HTTP server that misbehaves on purpose.
+"""store/download.py against a real local HTTP server that misbehaves on purpose.
 
 FaultyServer (also used by test_fetch_data.py) serves files from memory with
 Range support and, per path, a script of faults for successive GETs: drop the
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-import download
+from store import download
 
 
 class FaultyServer:

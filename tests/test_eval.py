@@ -20,11 +20,11 @@ from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
 import config_checks
+from configs import small
 import errors
 import model
 import optim
-import run_tokenizer
-from configs import small
+from tokens import run_tokenizer
 from evaluation import compare, deps, offline_tasks, plots, scoring, suites, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

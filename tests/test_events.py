@@ -1,4 +1,4 @@
-"""events.py against tensorboardX: its copy of TensorBoard's protos, its CRC, its writer."""
+"""monitor/events.py against tensorboardX: its copy of TensorBoard's protos, its CRC, its writer."""
 
 import struct
 
@@ -8,7 +8,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.proto import event_pb2, summary_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-import events
+from monitor import events
 from test_train import token_files  # noqa: F401  # the fixture, for the train.py test
 
 

@@ -17,9 +17,9 @@ import pytest
 
 import data
 import errors
-import token_files
 from script_module import load_script
 from test_download import FaultyServer
+from tokens import token_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'fetch_data.py')

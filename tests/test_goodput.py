@@ -1,10 +1,10 @@
-"""goodput.py: the run's account across restarts, against hand arithmetic and a real kill.
+"""monitor/goodput.py: the run's account across restarts, against hand arithmetic and a real kill.
 
 The end-to-end test SIGKILLs train.py between two checkpoints and resumes it:
 the steps the killed process took past its last committed checkpoint are
 computed again, so their time must land in `wasted progress`, not in goodput.
 The reference for that time is the killed process's own `time/step` records
-(metrics.py's throughput window, a separate clock), and the reference for the
+(monitor/metrics.py's throughput window, a separate clock), and the reference for the
 wall time is this test's clock around the two processes.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import goodput
+from monitor import goodput
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_only_a_process_first_account_is_timed_from_the_process_start(tmp_path):
   """In a fresh process the first account starts at the OS's record of the process start
   (before the imports); a second one (train.train called again in a notebook) starts at its
   own creation, so the time between the calls is not start-up, and it gets its own record."""
-  code = (f'import json, time, goodput\n'
+  code = (f'import json, time; from monitor import goodput\n'
           f'before = time.time()\n'
           f'a = goodput.Account({str(tmp_path)!r}); time.sleep(0.2)\n'
           f'b = goodput.Account({str(tmp_path)!r})\n'
@@ -163,7 +163,7 @@ CACHE_CHILD = '''
 import sys, time
 sys.path.insert(0, {repo!r})
 import jax, jax.numpy as jnp
-import goodput
+from monitor import goodput
 jax.monitoring.register_event_listener(lambda event, **kw: print(event))
 goodput.compilation_cache({folder!r}, '/unused')
 def f(x):
@@ -207,7 +207,7 @@ EXIT_WHILE_COMPILING = """
 import sys, threading, time
 sys.path.insert(0, {repo!r})
 import jax, jax.numpy as jnp
-import goodput
+from monitor import goodput
 lowered = threading.Event()
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kw: lowered.set()
@@ -345,7 +345,7 @@ def test_two_runs_differ_only_in_wall_clock_keys_which_the_docs_name(tmp_path):
   wall-clock ones: metrics.wall_clock (what the project's equality checks skip) must name
   every key that differs, `goodput/time to first step (s)` at step 1 among them, and
   docs/monitoring.md list each (or its `goodput/` family) with the timing keys."""
-  import metrics  # pylint: disable=import-outside-toplevel
+  from monitor import metrics  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from test_multihost import metrics as per_step, run_train
   runs = []

@@ -1,4 +1,4 @@
-"""health.py: the divergence guard, the repeat bitmap, the memorization watch, preemption
+"""monitor/health.py: the divergence guard, the repeat bitmap, the memorization watch, preemption
 and the launcher heartbeat.
 
 References: numpy's np.unique (repeat counts), hand-computed step sequences
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import errors
-import health
+from monitor import health
 
 
 def test_mark_seen_counts_every_repeat_like_np_unique():
@@ -183,7 +183,7 @@ CTRL_C = f'''
 import os, signal, sys
 sys.path.insert(0, {str(pathlib.Path(__file__).resolve().parents[1])!r})
 from absl import app, logging
-import health
+from monitor import health
 def main(argv):
   if os.environ.get('LOG_DIR'):
     logging.get_absl_handler().use_absl_log_file(log_dir=os.environ['LOG_DIR'])

@@ -24,7 +24,7 @@ import torch
 
 import config_checks
 import errors
-import hf_ckpt
+from formats import hf_ckpt
 import model
 import sharding
 from configs import olmo3_7b, small

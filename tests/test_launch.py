@@ -33,16 +33,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import checkpoint  # noqa: E402
 import config_checks  # noqa: E402
+from configs import small  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
-import health  # noqa: E402
 import loss  # noqa: E402
+from monitor import health  # noqa: E402
 import optim  # noqa: E402
-import sharding  # noqa: E402
-import train  # noqa: E402
-from configs import small  # noqa: E402
 from scripts import launch  # noqa: E402
 import servers  # noqa: E402
+import sharding  # noqa: E402
+import train  # noqa: E402
 from test_multihost import (REPO, TRAIN_FILE, assert_bitwise_equal,  # noqa: E402
                             copy_checkpoints, final_params, run_train, spawn_train, train_args,
                             trainer_env, wait_for_step)
@@ -212,7 +212,7 @@ def test_a_compiling_trainer_is_not_killed_but_one_stalled_after_its_first_beat_
   # 4x longer than --stall_timeout; attempt 1 then stalls after its first beat and must be
   # killed, attempt 2 compiles as long again and finishes.
   body = (f'sys.path.insert(0, {str(REPO)!r})\n'
-          'import health\n'
+          'from monitor import health\n'
           'n_file = os.path.join(os.path.dirname(ckpt), "attempts")\n'
           'n = int(open(n_file).read()) + 1 if os.path.exists(n_file) else 1\n'
           'os.makedirs(os.path.dirname(ckpt), exist_ok=True)\n'

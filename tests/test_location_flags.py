@@ -30,7 +30,7 @@ import sys
 import pytest
 
 import servers
-import storage
+from store import storage
 
 pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parents[1]

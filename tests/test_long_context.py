@@ -19,7 +19,7 @@ from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import checkpoint
 import config_checks
-import hf_ckpt
+from formats import hf_ckpt
 import model
 import optim
 import sharding

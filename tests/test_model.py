@@ -1,4 +1,4 @@
-"""model.py and hf_ckpt.py against HF transformers' Olmo3ForCausalLM (CPU torch)."""
+"""model.py and formats/hf_ckpt.py against HF transformers' Olmo3ForCausalLM (CPU torch)."""
 
 import json
 import os
@@ -12,8 +12,8 @@ import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 import config_checks
-import hf_ckpt
 from evaluation import compare
+from formats import hf_ckpt
 import model
 from configs import olmo3_7b, olmo3_7b_hd256, olmo3_32b, small
 

@@ -360,7 +360,7 @@ def kill_one(workdir, victim: int, steps: int, at: int) -> tuple[int, float]:
 @pytest.mark.slow
 def test_a_killed_worker_is_one_line_on_its_peer_and_resume_is_exact(two_process, tmp_path):
   # The survivor (process 0, the coordinator) is told by the coordination service once
-  # process 1's heartbeats stop for heartbeat_timeout (peers.py).
+  # process 1's heartbeats stop for heartbeat_timeout (hosts/peers.py).
   rc, took = kill_one(tmp_path, victim=1, steps=6, at=3)
   assert rc == 1 and took < 60, (rc, took)  # errors.EXIT_CRASH: restartable
   assert_one_line_naming((tmp_path / 'log0').read_text(), lost=1)
@@ -380,7 +380,7 @@ def test_a_killed_coordinator_is_one_line_on_its_peer(tmp_path):
 
 def test_the_private_jax_call_peers_rely_on_is_still_there():
   """sharding.initialize_with_callback swaps jaxlib's client constructor while
-  jax.distributed.initialize runs, to pass missed_heartbeat_callback (peers.py). A JAX
+  jax.distributed.initialize runs, to pass missed_heartbeat_callback (hosts/peers.py). A JAX
   that renames either, or stops calling it there, fails here rather than aborting again."""
   import inspect  # pylint: disable=g-import-not-at-top
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
@@ -399,7 +399,7 @@ SLOW_COMPILER = '''
 import os, sys, time
 sys.path.insert(0, {repo!r})
 sys.argv[0] = os.path.join({repo!r}, 'train.py')
-import goodput, train
+from monitor import goodput; import train
 original = goodput.compile_ahead
 class Slow:
   def __init__(self, step): self.step = step

@@ -1,4 +1,4 @@
-"""olmo_core_ckpt.py against OLMo-core's own Trainer, checkpointer and reader (CPU, gloo).
+"""formats/olmo_core_ckpt.py against OLMo-core's own Trainer, checkpointer and reader (CPU, gloo).
 
 One module-scoped fixture runs OLMo-core's real Trainer (stock CheckpointerCallback
 and ConfigSaverCallback) on a tiny Olmo 3 for k steps and saves, then continues it
@@ -282,9 +282,9 @@ import checkpoint  # noqa: E402
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
-import olmo_core_ckpt as occ  # noqa: E402
-import olmo_core_config as ocfg  # noqa: E402
-import olmo_core_reader  # noqa: E402
+from formats import olmo_core_ckpt as occ  # noqa: E402
+from formats import olmo_core_config as ocfg  # noqa: E402
+from formats import olmo_core_reader  # noqa: E402
 import optim
 import sharding
 import train  # noqa: E402

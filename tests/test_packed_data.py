@@ -14,11 +14,11 @@ from olmo_core.data import (DataCollator, InstanceFilterConfig, NumpyDataLoaderC
 from olmo_core.data import numpy_dataset as olmo_numpy_dataset
 from olmo_core.data.utils import InstancePacker, get_labels, iter_document_indices
 
-import batches
-import data
 from configs import olmo3_7b
-import packed
+import data
 from test_data import olmo_resumed
+from tokens import batches
+from tokens import packed
 
 VOCAB, EOS, PAD, BOS = 100278, 100257, 100277, 100256  # dolma2 ids; BOS only for the BOS cases
 

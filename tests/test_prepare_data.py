@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 import data
 import errors
 from script_module import load_script
-import token_files
+from tokens import token_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'prepare_data.py')

@@ -16,9 +16,9 @@ import jax
 from jax.profiler import ProfileData
 import pytest
 
-import errors
 import config_checks
-import metrics
+import errors
+from monitor import metrics
 import train
 from test_train import timed, tiny_config, token_files  # noqa: F401  (a fixture)
 

@@ -20,12 +20,12 @@ import config_checks
 from configs import small
 import data
 import errors
-import packed
-import remote_tokens
 from script_module import load_script
+from tokens import packed
+from tokens import remote_tokens
 from servers import gcs_server, http_server, s3_server, upload  # noqa: F401  (fixtures)
-import storage
-import token_files
+from store import storage
+from tokens import token_files
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = REPO / 'data'

@@ -17,8 +17,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import batches  # noqa: E402
 import data  # noqa: E402
+from tokens import batches  # noqa: E402
 import reproduce_olmo_core as repro  # noqa: E402
 from evaluation import compare  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Tests for automatic rollback (rollback.py, issue 28): a run that heals itself.
+"""Tests for automatic rollback (monitor/rollback.py, issue 28): a run that heals itself.
 
 The tiny model of tests/test_train.py trains on the embedded corpus folded
 into 250 ids; the token files are poisoned with two ids the corpus never
@@ -33,11 +33,11 @@ import checkpoint
 import data
 import errors
 import loss
+from monitor import rollback
 import optim
-import rollback
 from script_module import load_script
 from servers import gcs_server, server_log  # noqa: F401  (a fixture)
-import storage
+from store import storage
 import train
 from test_train import (assert_states_equal, committed, config_flags, host_state,
                         read_metrics, tiny_config)
@@ -283,7 +283,7 @@ def child(workdir, files, kill_at: str | None) -> tuple[list[str], dict[str, str
   """train.py's CLI with the poison, SIGKILLing itself after rollback phase `kill_at`."""
   script = (f'import os, signal, sys\nsys.path.insert(0, {str(REPO)!r})\n' + POISON_CODE +
             INSTALL_POISON +
-            'import rollback, train\n'
+            'from monitor import rollback; import train\n'
             'done = rollback.phase_done\n'
             'def hooked(phase, attempt):\n'
             '  done(phase, attempt)\n'
@@ -337,7 +337,7 @@ DESTROYED = 2  # the global batch whose step applies a destructive update
 # The update of the step that reads global batch DESTROYED is scaled 1e4 (LR 30 instead of
 # 0.003): that step's own loss, computed before the update, is normal; the next one's is not.
 DESTROY_CODE = f'''
-import rollback
+from monitor import rollback
 _lr_factor = rollback.Recovery.lr_factor
 def destructive(self, step):
   return _lr_factor(self, step) * (1e4 if self.skips.nth(step - 1) == {DESTROYED} else 1.0)

@@ -1,4 +1,4 @@
-"""Automatic rollback on two processes (rollback.py, issue 33), for real on this machine.
+"""Automatic rollback on two processes (monitor/rollback.py, issue 33), for real on this machine.
 
 Two train.py processes x 2 simulated CPU devices, joined by jax.distributed on
 localhost (as tests/test_multihost.py runs them), train tests/test_rollback.py's
@@ -42,7 +42,7 @@ HEARTBEAT_TIMEOUT = 5  # s: how soon the survivor of a killed peer gives up
 # $KILL_PROCESS.
 TRAINER = (f'import os, signal, sys\nsys.path.insert(0, {str(REPO)!r})\n' + POISON_CODE +
            INSTALL_POISON +
-           'import jax, rollback, train\n'
+           'import jax; from monitor import rollback; import train\n'
            'done = rollback.phase_done\n'
            'def hooked(phase, attempt):\n'
            '  done(phase, attempt)\n'

@@ -40,7 +40,7 @@ def test_a_layer_count_off_the_pattern_names_the_pattern_flag(token_files, tmp_p
 # Step 1's save (and only it) fails writing its arrays, and removing its staging folder
 # fails too.
 FAILING_SAVE = '''
-import chunk_store, storage
+from store import chunk_store, storage
 def write_local(*args, **kw):
   raise OSError(28, 'No space left on device')
 chunk_store.write_local = write_local

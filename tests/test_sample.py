@@ -5,8 +5,8 @@ it never picks an id of the padded vocabulary rows."""
 import torch
 from transformers import Olmo3ForCausalLM
 
-import hf_ckpt
-import sample
+from evaluation import sample
+from formats import hf_ckpt
 from test_model import make_hf
 
 

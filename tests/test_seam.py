@@ -1,4 +1,4 @@
-"""storage.py is the one module that knows where bytes live (an AST check of the tree).
+"""store/storage.py is the one module that knows where bytes live (an AST check of the tree).
 
 Outside it, no module asks what a location's scheme is (`is_url`, `is_object_store`,
 `scheme`, or a '://' test of its own): it calls the storage operation, which picks
@@ -6,7 +6,7 @@ the filesystem or the bucket implementation. A module that keeps two
 implementations of one operation asks for the store's capability (`renames`,
 `appends`, `maps`, `locks`), and only the callers listed here may ask it (or,
 for one protocol detail, the scheme), each for the reason given. A new branch
-on where bytes live fails this test until it moves into storage.py or earns a
+on where bytes live fails this test until it moves into store/storage.py or earns a
 line below.
 """
 
@@ -14,27 +14,30 @@ import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEAM = ('storage.py', 'kvstores.py')  # kvstores.py: the transport only storage.py imports
+# store/kvstores.py: the transport only store/storage.py imports
+SEAM = ('store/storage.py', 'store/kvstores.py')
 SCHEME_QUERIES = {'is_url', 'is_object_store', 'scheme'}
 CAPABILITIES = {'renames', 'appends', 'maps', 'locks'}
 
 # (module, function): why it keeps a filesystem and a bucket implementation side by side.
 ALLOWED = {
-    ('token_files.py', 'memory_mapped'): 'maps: token files are memory-mapped where they can '
-                                         'be, read by byte range where they cannot',
-    ('metrics.py', 'MetricWriter.__init__'): 'appends: metrics.jsonl is one appended file, or '
-                                             'one segment object per flush',
-    ('events.py', 'Writer.__init__'): 'appends: one TensorBoard event file appended to, or one '
-                                      'event file per flush',
-    ('workdir_lock.py', 'WorkdirLock.__enter__'): 'locks: flock on a filesystem, a renewed '
-                                                  'lease in a bucket',
-    ('ckpt_files.py', 'install'): 'renames: a converted checkpoint replaces the old one by an '
-                                  'atomic directory exchange, or step by step with COMMIT last',
-    ('download.py', '_local_path'): "'://': a download's source: a path or file:// is copied, "
-                                    'http(s) and public bucket URLs are fetched over HTTP',
-    ('remote_tokens.py', 'probe'): "scheme: a token file's size is found by the request "
-                                   'each protocol answers cheapest (HTTP Range, S3 error, '
-                                   'GCS bisection)',
+    ('tokens/token_files.py', 'memory_mapped'): 'maps: token files are memory-mapped where they '
+                                                'can be, read by byte range where they cannot',
+    ('monitor/metrics.py', 'MetricWriter.__init__'): 'appends: metrics.jsonl is one appended file, '
+                                                     'or one segment object per flush',
+    ('monitor/events.py', 'Writer.__init__'): 'appends: one TensorBoard event file appended to, or '
+                                              'one event file per flush',
+    ('hosts/workdir_lock.py', 'WorkdirLock.__enter__'): 'locks: flock on a filesystem, a renewed '
+                                                        'lease in a bucket',
+    ('formats/ckpt_files.py', 'install'): 'renames: a converted checkpoint replaces the old one by '
+                                          'an atomic directory exchange, or step by step with '
+                                          'COMMIT last',
+    ('store/download.py', '_local_path'): "'://': a download's source: a path or file:// is "
+                                          'copied, http(s) and public bucket URLs are fetched over '
+                                          'HTTP',
+    ('tokens/remote_tokens.py', 'probe'): "scheme: a token file's size is found by the request "
+                                          'each protocol answers cheapest (HTTP Range, S3 error, '
+                                          'GCS bisection)',
 }
 
 
@@ -77,7 +80,7 @@ def test_only_storage_asks_where_bytes_live():
         capability_uses.add((rel, scope))
         if (rel, scope) not in ALLOWED:
           found.append(f'{rel}:{line} ({scope}) asks {attr} and is not in ALLOWED')
-  assert not found, 'branches on where bytes live outside storage.py:\n' + '\n'.join(found)
+  assert not found, 'branches on where bytes live outside store/storage.py:\n' + '\n'.join(found)
   assert capability_uses == set(ALLOWED), f'stale ALLOWED entries: {set(ALLOWED) - capability_uses}'
 
 
@@ -87,15 +90,16 @@ def test_only_storage_imports_the_transport():
     with open(path) as f:
       tree = ast.parse(f.read(), rel)
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    if 'kvstores' in names:
+    names |= {f'{n.module}.{a.name}' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              for a in n.names}
+    if 'store.kvstores' in names:
       importers.append(rel)
-  assert importers == ['storage.py'], importers
+  assert importers == ['store/storage.py'], importers
 
 
 def test_the_check_sees_a_branch():
   """The walker finds the shapes it must refuse (so the test above cannot pass vacuously)."""
-  tree = ast.parse('import storage\n'
+  tree = ast.parse('from store import storage\n'
                    'def f(p):\n'
                    '  if storage.is_url(p) or "://" in p:\n'
                    '    return storage.renames(p)\n')

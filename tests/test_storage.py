@@ -1,4 +1,4 @@
-"""storage.py and the checkpoint, lock and log layers on it, against real servers.
+"""store/storage.py and the checkpoint, lock and log layers on it, against real servers.
 
 The references are the servers themselves: moto's S3 server and the
 fake-gcs-server GCS emulator (tests/servers.py), read back through their own
@@ -21,11 +21,11 @@ import pytest
 
 import checkpoint
 import errors
-import metrics
-import step_dirs
-import storage
-import workdir_lock
 from fault_proxy import FaultProxy
+from hosts import workdir_lock
+from monitor import metrics
+from store import step_dirs
+from store import storage
 from servers import gcs_server, s3_server  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

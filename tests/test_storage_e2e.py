@@ -38,15 +38,15 @@ import numpy as np
 import pytest
 
 import checkpoint
-import chunk_store
-import metrics as metrics_lib
-import rollback
+from store import chunk_store
+from monitor import metrics as metrics_lib
+from hosts import workdir_lock
+from monitor import rollback
 import servers
-import step_dirs
-import storage
-import storage_faults
-import workdir_lock
 from servers import free_port
+import storage_faults
+from store import step_dirs
+from store import storage
 from test_multihost import (RETRIED_STARTS, communicate_all, process_args, spawn_train,
                             train_args, trainer_env)
 from test_rollback import INSTALL_POISON, LR, POISON_CODE, RUN, STEPS, WINDOW

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import checkpoint
-import chunk_store
 import errors
-import kvstores
-import servers
-import storage
-import workdir_lock
 from fault_proxy import FaultProxy
+from hosts import workdir_lock
+import servers
+from store import chunk_store
+from store import kvstores
+from store import storage
 from servers import gcs_server, s3_server, upload  # noqa: F401  (fixtures)
 from test_multihost import REPO, train_args, trainer_env
 

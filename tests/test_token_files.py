@@ -1,4 +1,5 @@
-"""token_files.py: mixes, token-file layout and checks, against OLMo-core where it has an answer."""
+"""tokens/token_files.py: mixes, token-file layout and checks, against OLMo-core where it has an
+answer."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import data
 import errors
 from test_data import VOCAB, fsl_cfg, make_ds, olmo_ds, write_files
-import token_files
+from tokens import token_files
 
 
 def test_bad_files_and_mixes_name_the_file(tmp_path):

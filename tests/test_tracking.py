@@ -1,4 +1,4 @@
-"""tracking.py: Weights & Biases through the real client, offline, read back from its files.
+"""monitor/tracking.py: Weights & Biases through the real client, offline, read back from its files.
 
 The tiny model of tests/test_train.py trains with train.wandb.project set and
 WANDB_MODE=offline (WANDB_DIR in tmp). W&B's offline run file
@@ -29,11 +29,11 @@ from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 import config_checks  # noqa: E402
 import errors  # noqa: E402
-import metrics  # noqa: E402
-import storage  # noqa: E402
-import tracking  # noqa: E402
-import train  # noqa: E402
+from monitor import metrics  # noqa: E402
+from monitor import tracking  # noqa: E402
 from servers import free_port  # noqa: E402
+from store import storage  # noqa: E402
+import train  # noqa: E402
 from test_train import (REPO, STEPS, child_command, logged_steps,  # noqa: E402,F401
                         tiny_config, token_files)
 

@@ -29,14 +29,14 @@ import numpy as np
 import pytest
 
 import checkpoint
-import errors
-import sharding
 from configs import small
-import batches
 import data
-from metrics import wall_clock
+import errors
 import model
+from monitor.metrics import wall_clock
 import optim
+import sharding
+from tokens import batches
 import train
 from xla_flags import with_devices
 

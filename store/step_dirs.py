@@ -6,7 +6,7 @@ on a filesystem after renaming tmp.step_<N>.<nonce> to step_<N>; in a bucket
 saves left and re-commits a complete step that lost only its marker;
 `delete_step` renames (filesystem) or deletes COMMIT and metadata.json first
 (bucket), so a crash mid-delete leaves a leftover rather than a committed step
-with missing chunks. Every path here is a storage.py location.
+with missing chunks. Every path here is a store/storage.py location.
 checkpoint.committed_steps, latest_step, latest_healthy_step and read_metadata
 are these functions.
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 from absl import logging
 
-import chunk_store
 import errors
-from chunk_store import CorruptCheckpointError
-import storage
+from store import chunk_store
+from store.chunk_store import CorruptCheckpointError
+from store import storage
 
 COMMIT = 'COMMIT'
 HEALTH = 'HEALTH'  # a step's verdict, written after its commit (write_verdict)

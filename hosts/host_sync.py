@@ -24,7 +24,7 @@ import jax
 from jax._src import distributed as jax_distributed
 
 import errors
-import storage
+from store import storage
 
 TIMEOUT_MS = 30 * 60 * 1000  # cross-process waits: a slow writer, not a hang
 SHARED_CHECK = 'SHARED_STORAGE_CHECK'

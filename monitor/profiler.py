@@ -14,7 +14,7 @@ step STOP's results are ready; the files land in
   ui.perfetto.dev or chrome://tracing opens as it is.
 
 The trace is written to a local temporary folder and then copied with
-storage.py, so a gs:// or s3:// workdir gets the files too. A resume inside
+store/storage.py, so a gs:// or s3:// workdir gets the files too. A resume inside
 the window traces the steps left. Tracing only watches: the compiled step
 and its inputs are the same, so the losses are bit for bit those of a run
 without it (tests/test_profile.py). A profiler that fails to start or stop
@@ -30,7 +30,7 @@ from absl import logging
 import jax
 import ml_collections
 
-import storage
+from store import storage
 
 FOLDER = 'profile'  # <workdir>/profile: tensorboard --logdir points here
 

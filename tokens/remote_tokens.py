@@ -2,11 +2,11 @@
 
 A mix entry, data.paths, data.base_dir, the mix file itself and its held-out
 files may be gs://, s3:// or http(s):// URLs (docs/data.md, remote data).
-token_files.py inspects such a file through `probe` (its size) and `RangeReader`
+tokens/token_files.py inspects such a file through `probe` (its size) and `RangeReader`
 (its first bytes and a sample), and the datasets read instances through
 `RemoteTokens`, which has the interface of token_files.TokenMaps (local files
 in the same mix stay memory mapped). Everything here is bytes: what the bytes
-mean (headers, token checks) is token_files.py's.
+mean (headers, token checks) is tokens/token_files.py's.
 
   probe         a remote file's size: the mix's listed size verified with one
                 ranged read, else found with ranged probes (storage.size); HTTP(S)
@@ -24,7 +24,7 @@ mean (headers, token checks) is token_files.py's.
   RemoteTokens  TokenMaps' interface (read_many, tokens, sequential, will_need).
   error         one line naming the URL and the fix for what a store answered.
 
-Credentials come from each store's standard environment (storage.py); a public
+Credentials come from each store's standard environment (store/storage.py); a public
 bucket is read anonymously.
 """
 
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from errors import DataError, MissingDataError
-import storage
+from store import storage
 
 TOKEN_DTYPE = np.dtype('<u4')  # token_files.TOKEN_DTYPE
 _FAR = 1 << 50  # an offset past the end of any token file

@@ -23,8 +23,8 @@ from absl import logging
 import numpy as np
 
 from errors import DataError
-import storage
-import token_files
+from store import storage
+from tokens import token_files
 
 LONG_DOC_STRATEGIES = ('truncate', 'fragment')  # OLMo-core LongDocStrategy values
 _SCAN_CHUNK = 1 << 24  # tokens read at a time while finding document ends (64 MiB)
@@ -196,7 +196,7 @@ class PackedDataset:
 
     `paths` are in mix order and shuffled by `source_permutation_seed` as
     OLMo-core's config does (from_config has done that already). Remote files
-    (gs://, s3://, http(s)://) are read by byte range (remote_tokens.py), their
+    (gs://, s3://, http(s)://) are read by byte range (tokens/remote_tokens.py), their
     ranges kept in `remote_cache_dir` when given.
     """
     if not paths:

@@ -6,7 +6,7 @@ every chunk a torch.save blob at its offset in a `__R_I.distcp` file.
 `Reader` reads one tensor (or one row block of one) at a time, so a 7B state
 converts in a few GB of host memory. torch is needed for the blobs (the
 optional extra); olmo_core is not: the storage-info record OLMo-core pickles
-is read as a plain record. olmo_core_ckpt.py converts what this reads.
+is read as a plain record. formats/olmo_core_ckpt.py converts what this reads.
 """
 
 import io
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-import ckpt_files
-from olmo_core_config import OlmoCoreCheckpointError
+from formats import ckpt_files
+from formats.olmo_core_config import OlmoCoreCheckpointError
 
 EXTRA = "pip install '.[olmo-core]'"
 

@@ -22,7 +22,7 @@ import os
 from typing import Any, Mapping
 
 import errors
-import storage
+from store import storage
 
 DOLMA2_ID = 'allenai/dolma2-tokenizer'
 DOLMA2_VOCAB = 100278

@@ -29,7 +29,7 @@ import time
 from absl import logging
 
 import errors
-import storage
+from store import storage
 
 LOCK = 'LOCK'
 LEASE_SECONDS = float(os.environ.get('OLMO_LOCK_LEASE_SECONDS', 300))

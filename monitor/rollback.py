@@ -47,10 +47,10 @@ import ml_collections
 
 import checkpoint
 import data
-import health
-import metrics
-import step_dirs
-import storage
+from monitor import health
+from monitor import metrics
+from store import step_dirs
+from store import storage
 
 LOG = 'rollbacks.jsonl'
 ASIDE_RE = re.compile(r'^rolledback\.step_(\d+)\.(\d+)$')

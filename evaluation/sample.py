@@ -19,7 +19,7 @@ import numpy as np
 import data
 import errors
 import model
-import run_tokenizer
+from tokens import run_tokenizer
 
 
 def generate(cfg_model: ml_collections.ConfigDict, params: model.Params, prompt_ids: list[int],

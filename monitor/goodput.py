@@ -45,7 +45,7 @@ from typing import Any, Callable
 from absl import logging
 import jax
 
-import storage
+from store import storage
 
 FOLDER = 'goodput'
 PRODUCTIVE = 'productive'

@@ -14,7 +14,7 @@ own ask for a capability (`renames`, `appends`, `maps`, `locks`), listed with
 reasons in tests/test_seam.py. That is why this module is longer than the
 others: splitting it would scatter the question it exists to answer. The
 transport under it (tensorstore's stores, retries, error classes) is
-kvstores.py, which only this module imports.
+store/kvstores.py, which only this module imports.
 
 What object stores guarantee, and where this code relies on it:
 
@@ -25,7 +25,7 @@ What object stores guarantee, and where this code relies on it:
   * Conditional writes (GCS ifGenerationMatch, S3 If-Match/If-None-Match):
     `write(..., if_generation=...)` writes only when the object is still at the
     generation read before (MISSING: does not exist yet). The lock's create and
-    takeover (workdir_lock.py) and `append` rely on it, so two writers never both
+    takeover (hosts/workdir_lock.py) and `append` rely on it, so two writers never both
     win. (The fake-gcs-server emulator ignores the precondition on the uploads
     tensorstore makes; moto's S3 server honours it.)
   * No rename, no fsync, no directory order. A checkpoint is committed by writing
@@ -47,7 +47,7 @@ import uuid
 import tensorstore as ts
 
 import errors
-import kvstores
+from store import kvstores
 
 # The transport's names that callers reach through this module, their one seam.
 MISSING, OBJECT_SCHEMES, READ_SCHEMES = (kvstores.MISSING, kvstores.OBJECT_SCHEMES,

@@ -9,7 +9,7 @@ Reading order:
   files        TokenFile, inspect_files, inspect_file, check_sample: a file's
                layout (raw little-endian uint32, or a true .npy of uint32) and a
                bounded plausibility check of its ids, for local files and, through
-               remote_tokens.py, gs://, s3:// and http(s):// ones (inspected
+               tokens/remote_tokens.py, gs://, s3:// and http(s):// ones (inspected
                concurrently); vocab_error, the one message for an id past the
                vocabulary.
   maps         TokenMaps: the read-only memory maps the datasets read through;
@@ -42,8 +42,8 @@ import numpy as np
 import xxhash
 
 from errors import DataError, MissingDataError
-import remote_tokens
-import storage
+from store import storage
+from tokens import remote_tokens
 
 FINGERPRINT_VERSION = 'v2.0'  # OLMo-core NumpyDatasetBase.fingerprint_version
 TOKEN_DTYPE = np.dtype('<u4')  # OLMo-core NumpyDatasetDType.uint32, little-endian on disk
@@ -240,7 +240,7 @@ def config_sources(cfg_data: Any, paths: Sequence[str] | None = None
 def memory_mapped(path: str) -> bool:
   """Whether a token file is memory-mapped (a local or shared path) rather than read by byte
   range (a gs://, s3:// or http(s):// URL): the data path's one question about where
-  bytes live; every other access goes through storage.py."""
+  bytes live; every other access goes through store/storage.py."""
   return storage.maps(path)
 
 
@@ -299,7 +299,7 @@ def inspect_file(path: str, label: str = '', listed_size: int | None = None,
   Beyond its size and header, a bounded sample of its tokens must look like
   uint32 ids (and, given `vocab_size`, lie in the vocabulary): see check_sample
   (skipped with sample=False). A gs://, s3:// or http(s):// path is read by byte
-  range (remote_tokens.py; `cache_dir` keeps what it reads).
+  range (tokens/remote_tokens.py; `cache_dir` keeps what it reads).
   """
   if memory_mapped(path):
     file = _layout(path, label, listed_size)

@@ -1,6 +1,6 @@
-"""The transport under storage.py: tensorstore's key-value stores and what their errors mean.
+"""The transport under store/storage.py: tensorstore's key-value stores and what their errors mean.
 
-storage.py is the seam every module calls; this module is what it stands on
+store/storage.py is the seam every module calls; this module is what it stands on
 and nothing else imports it (tests/test_seam.py). It turns a location into a
 tensorstore kvstore (`gcs`, `s3`, `http`, or `file`), opened once with the
 one Context that sets the retries, the stall abort and the concurrency bound,
@@ -136,7 +136,7 @@ def _open(root: str, gcs_url: str | None) -> ts.KvStore:
 def kvstore(location: str) -> tuple[ts.KvStore, str]:
   """(the opened store holding `location` at its root, the key of `location` in it). Stores
   are opened once and shared; callers may issue many reads at once as futures
-  (remote_tokens.py reads a batch's byte ranges this way)."""
+  (tokens/remote_tokens.py reads a batch's byte ranges this way)."""
   spec = kvstore_spec(location)
   key = spec.pop('path')
   try:

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-import storage
+from store import storage
 
 # --- CRC-32C (Castagnoli), as TFRecord masks it ------------------------------------
 

@@ -22,13 +22,13 @@ trainer step + 1 (OLMo-core's step-0 checkpoint runs one zero-gradient, lr=0
 optimizer step); it is read from the state, never from global_step. OLMo-core
 does not save the skip-step history, so a converted run starts with an empty
 window, as OLMo-core's own resume does. config.json is translated by
-olmo_core_config.py; the data position by `loader_state`, `past_epoch_end` and
+formats/olmo_core_config.py; the data position by `loader_state`, `past_epoch_end` and
 `olmo_core_position` (an epoch's last step is written the way each side reads it).
 
 Both directions stream one layer of one tensor at a time (checkpoint.save_streamed,
 checkpoint.read_array), and the vocabulary-sized arrays in row blocks, so host memory
 stays near the largest single tensor (bench/bench_convert_memory.py measures it).
-olmo_core_reader.py reads the torch distributed checkpoint: it needs torch (the
+formats/olmo_core_reader.py reads the torch distributed checkpoint: it needs torch (the
 blobs are torch.save archives; the optional extra, pip install '.[olmo-core]')
 but not olmo_core.
 
@@ -50,14 +50,14 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-import ckpt_files
 import data
+from formats import ckpt_files
+from formats import olmo_core_config
+from formats.olmo_core_config import OlmoCoreCheckpointError
+from formats import olmo_core_reader
 import model
-import olmo_core_config
-import olmo_core_reader
-import storage
-from olmo_core_config import OlmoCoreCheckpointError
-import token_files
+from store import storage
+from tokens import token_files
 
 OLMO_CORE_VERSION = '3.0.0'  # the version whose format this module reads and writes
 
@@ -337,7 +337,8 @@ def fetch(url: str, cache_dir: str | None = None, *,
   `base` (convert.py --config) is checked against config.json before the tensors
   (tens of GB) are fetched.
   """
-  import download  # pylint: disable=import-outside-toplevel  # only the URL path needs it
+  # Only the URL path needs it.
+  from store import download  # pylint: disable=import-outside-toplevel
   root = url.rstrip('/')
   parsed = urllib.parse.urlparse(root)
   cache_dir = cache_dir or os.path.join(os.path.expanduser('~'), '.cache', 'olmo3_jax',

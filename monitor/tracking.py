@@ -9,7 +9,7 @@ What goes to W&B: every metrics.jsonl record, under the same names and step
 version (metrics.code_version) as the run's config. Only process 0 logs, as
 only it writes metrics.jsonl. Install it with `pip install '.[wandb]'`.
 
-Resuming: the run's W&B id is kept in <workdir>/wandb_run_id (storage.py, so
+Resuming: the run's W&B id is kept in <workdir>/wandb_run_id (store/storage.py, so
 a bucket workdir keeps it too) and passed with resume='allow', so a resumed
 run continues the same W&B run. W&B's service buffers what it logs (its local
 file is written in 32 KiB blocks) and dies with a killed process, so only a
@@ -48,9 +48,9 @@ from absl import logging
 import jax
 import ml_collections
 
-import health
-import metrics
-import storage
+from monitor import health
+from monitor import metrics
+from store import storage
 
 RUN_ID_FILE = 'wandb_run_id'  # <workdir>/wandb_run_id: the W&B run a resume continues
 FINISHED_FILE = 'wandb_finished_step'  # '<run id> <step>': W&B holds every record to step

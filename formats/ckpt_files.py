@@ -1,4 +1,4 @@
-"""Files and directories the converters share (hf_ckpt.py, olmo_core_ckpt.py).
+"""Files and directories the converters share (formats/hf_ckpt.py, formats/olmo_core_ckpt.py).
 
 A converted checkpoint is built in a staging directory beside its destination
 and moved in whole (`install`): a crash leaves the old checkpoint or the new,
@@ -21,8 +21,8 @@ import shutil
 
 import checkpoint
 import model
-import step_dirs
-import storage
+from store import step_dirs
+from store import storage
 
 # What a checkpoint directory may hold (checkpoint.py and train.py names); --overwrite
 # replaces the whole directory, so anything else in it is refused rather than deleted.

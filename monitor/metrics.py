@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-import events
 import model
-import storage
+from monitor import events
+from store import storage
 
 # Keys whose values are wall-clock measurements: two runs of the same steps differ in
 # them, and in nothing else (docs/monitoring.md, "Wall-clock keys"), so a comparison of
 # two runs' records skips them.
-WALL_CLOCK_PREFIXES = ('time/', 'goodput/')  # goodput.py's account: seconds and shares
+WALL_CLOCK_PREFIXES = ('time/', 'goodput/')  # monitor/goodput.py's account: seconds and shares
 WALL_CLOCK_KEYS = ('throughput/device/TPS', 'throughput/device/MFU')
 
 

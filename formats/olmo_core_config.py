@@ -1,4 +1,4 @@
-"""OLMo-core's experiment config.json <-> our run config (olmo_core_ckpt.py's translation).
+"""OLMo-core's experiment config.json <-> our run config (formats/olmo_core_ckpt.py's translation).
 
 `translate` reads the sections OLMo-core's experiment launcher saves with every
 step directory (docs/olmo_core_checkpoints.md):
@@ -27,7 +27,7 @@ from typing import Any
 
 import ml_collections
 
-from ckpt_files import ConversionError, layer_pattern
+from formats.ckpt_files import ConversionError, layer_pattern
 from configs import olmo3_7b
 import model
 

@@ -43,12 +43,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import checkpoint
-import ckpt_files
-from ckpt_files import ConversionError
 from configs import olmo3_7b
+from formats import ckpt_files
+from formats.ckpt_files import ConversionError
 import model
-import run_tokenizer
-import storage
+from store import storage
+from tokens import run_tokenizer
 
 # HF tensor name for layer i -> (our module, our name); HF Linear weights are
 # [out, in] and ours [in, out]; the embedding is [V, D] on both sides.

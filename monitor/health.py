@@ -2,7 +2,7 @@
 
 - The divergence guard judges each step (loss bound, skipped steps in a row)
   and whether the state is healthy enough for retention to protect;
-  rollback.py restores the last healthy state and skips the spike's data
+  monitor/rollback.py restores the last healthy state and skips the spike's data
   while train.rollback_attempts allows; else `stop_diverged` saves the
   state as unhealthy and exits EXIT_DIVERGED.
 - The data: instance ids seen twice in an epoch (a bitmap of N bits), and
@@ -32,9 +32,9 @@ import numpy as np
 
 import checkpoint
 import errors
-import metrics
-import storage
-import token_files
+from monitor import metrics
+from store import storage
+from tokens import token_files
 
 # --- Divergence -------------------------------------------------------------------------
 
@@ -109,7 +109,7 @@ def stop_diverged(reason: str, step: int, cfg: ml_collections.ConfigDict,
                   writer: metrics.MetricWriter, note: str = '') -> NoReturn:
   """Records why, saves the state as unhealthy, says what to do, exits EXIT_DIVERGED.
 
-  `note` (rollback.py: why it did not roll back, the windows it skipped) ends the message.
+  `note` (monitor/rollback.py: why it did not roll back, the windows it skipped) ends the message.
   """
   writer.write(step, {'guard/diverged': 1.0, 'guard/reason': reason})
   ckpt.save(step, state, {**meta, 'diverged': reason}, healthy=False)

@@ -36,7 +36,7 @@ import numpy as np
 import tensorstore as ts
 import xxhash
 
-import storage
+from store import storage
 
 FORMAT_VERSION = 1
 # xxh3-64 hashes ~30 GB/s on one core of the dev machine (google-crc32c 13,

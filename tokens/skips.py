@@ -1,4 +1,4 @@
-"""Skipped global batches: the windows a rollback (rollback.py) or train.skip_batches
+"""Skipped global batches: the windows a rollback (monitor/rollback.py) or train.skip_batches
 passes over, and where optimizer steps land around them. data.Loader and the
 resume checks use it (as data.Skips)."""
 
