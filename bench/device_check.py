@@ -381,7 +381,8 @@ def _run_children(args, result: dict) -> None:
           f"the time, MFU {_mfu(wide)} vs {_mfu(step)}", flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+  """The command line (bench/plan_pods.py builds its one-chip slice from its defaults)."""
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--tiny', action='store_true', help='CPU miniature (the test suite)')
   p.add_argument('--layers', type=int, default=4)
@@ -407,6 +408,11 @@ def main() -> None:
   p.add_argument('--device_kind', default='cpu', help=argparse.SUPPRESS)
   p.add_argument('--limit_gb', type=float, default=0.0, help=argparse.SUPPRESS)
   p.add_argument('--cache', default='', help=argparse.SUPPRESS)
+  return p
+
+
+def main() -> None:
+  p = parser()
   args = p.parse_args()
   if (args.layers < 1 or args.steps < 1 or args.sequences < 1 or args.fit_max < 1
       or args.vocab < 0 or args.vocab % 128):

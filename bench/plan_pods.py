@@ -41,13 +41,14 @@ sys.path.insert(0, REPO)
 GB = 1e9
 
 
-def _config(name: str, **overrides):
+def config(name: str, **overrides):
+  """A row's config by name ('stage1', 'hd256', 'stage3', 'slice'), fields overridden."""
   import config_checks  # pylint: disable=import-outside-toplevel
   from configs import olmo3_7b, olmo3_7b_hd256, olmo3_7b_stage3  # pylint: disable=import-outside-toplevel
   if name == 'slice':  # bench/device_check.py's one-chip slice, as it builds it
     import device_check  # pylint: disable=import-outside-toplevel
-    return config_checks.complete(device_check.slice_config(argparse.Namespace(
-        layers=2, vocab=8192, sequences=1, tiny=False, hd256=False)))
+    return config_checks.complete(device_check.slice_config(
+        device_check.parser().parse_args(['--layers=2', '--vocab=8192'])))
   module = {'stage1': olmo3_7b, 'hd256': olmo3_7b_hd256, 'stage3': olmo3_7b_stage3}[name]
   cfg = module.get_config()
   for key, value in overrides.items():
@@ -183,7 +184,7 @@ def cpu_plan(cfg, target: int, devices: int = 8):
 
 def run_row(label, name, topology, overrides, args) -> None:
   import plan  # pylint: disable=import-outside-toplevel
-  cfg = _config(name, **overrides)
+  cfg = config(name, **overrides)
   start = time.perf_counter()
   p = plan.tpu_plan(cfg, topology)
   (c,) = p.compiles

@@ -37,3 +37,15 @@ def test_tiny_device_check_runs_and_reports_every_number(tmp_path):
   assert 'skipped' in r['fit']  # a CPU has no memory limit to fit
   assert r['hd256']['step']['step (s)'] > 0 and r['hd256']['16x256 / 32x128 time'] > 0
   assert r['restart']['cold']['cache hits'] == 0 < r['restart']['warm']['cache hits']
+
+
+def test_plan_pods_builds_the_chips_slice_from_device_checks_defaults():
+  """bench/plan_pods.py's one-chip row plans what `device_check.py --layers=2 --vocab=8192`
+  runs: the 7B's shapes cut to 'SF', one sequence, the recipe's full remat."""
+  sys.path.insert(0, str(REPO / 'bench'))
+  import plan_pods  # pylint: disable=import-outside-toplevel
+  cfg = plan_pods.config('slice')
+  m = cfg.model
+  assert (m.num_layers, m.layer_pattern, m.vocab_size, m.d_model, m.num_heads) == (
+      2, 'SF', 8192, 4096, 32)
+  assert m.remat == 'full' and cfg.data.global_batch_size == 1 and cfg.data.seq_len == 8192
