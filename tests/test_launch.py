@@ -44,8 +44,8 @@ import servers  # noqa: E402
 import sharding  # noqa: E402
 import train  # noqa: E402
 from test_multihost import (REPO, TRAIN_FILE, assert_bitwise_equal,  # noqa: E402
-                            copy_checkpoints, final_params, run_train, spawn_train, train_args,
-                            trainer_env, wait_for_step)
+                            copy_checkpoints, final_params, poll_until, run_train, spawn_train,
+                            train_args, trainer_env, wait_for_step)
 
 STEPS = 10
 
@@ -445,21 +445,6 @@ def reference(tmp_path_factory):
   return workdir
 
 
-def _until(done, launcher: subprocess.Popen, what: str, timeout: float = 300,
-           poll: float = 0.05):
-  """Polls `done()` until it is true (returned); fails once the launcher has exited."""
-  deadline = time.time() + timeout
-  while True:
-    exited = launcher.poll() is not None  # first: what `done` then sees is final
-    if result := done():
-      return result
-    if exited:
-      raise AssertionError(f'the launcher exited ({launcher.returncode}) before {what}')
-    if time.time() > deadline:
-      raise AssertionError(f'no {what} within {timeout} s')
-    time.sleep(poll)
-
-
 def _attempt_started(log: pathlib.Path, attempt: int, launcher: subprocess.Popen
                      ) -> tuple[int, int]:
   """(pid, the checkpoint it resumes from: 0 for none) of the launcher's `attempt`."""
@@ -468,7 +453,7 @@ def _attempt_started(log: pathlib.Path, attempt: int, launcher: subprocess.Popen
                        log.read_text() if log.exists() else '')
     return found[-1] if found and int(found[-1][0]) == attempt else None
   try:
-    _, pid, resumed = _until(started, launcher, f'attempt {attempt} started', timeout=120)
+    _, pid, resumed = poll_until(started, launcher, f'attempt {attempt} started', timeout=120)
   except AssertionError as e:
     raise AssertionError(f'{e}:\n' + (log.read_text() if log.exists() else '')) from None
   return int(pid), 0 if resumed == 'None' else int(resumed)
@@ -502,7 +487,7 @@ class _Checkpoints:
     return steps[-1] if steps else 0
 
   def wait_for(self, step: int) -> int:
-    return _until(lambda: (latest := self.latest()) >= step and latest, self.launcher,
+    return poll_until(lambda: (latest := self.latest()) >= step and latest, self.launcher,
                   f'checkpoint {step}', poll=self.POLL)
 
   def saving(self, step: int) -> bool:
@@ -570,13 +555,13 @@ def test_sigkills_and_sigterm_under_the_launcher_end_bit_exact(reference, tmp_pa
   if resumed < TERM_BY:  # preemption: SIGTERM as the save after a checkpoint starts
     after = int(rng.integers(resumed + 1, TERM_BY + 1))
     ckpts.wait_for(after)
-    _until(lambda: ckpts.saving(after + 1) or ckpts.latest() > after, launcher,
+    poll_until(lambda: ckpts.saving(after + 1) or ckpts.latest() > after, launcher,
            f'the save of step {after + 1}', poll=ckpts.POLL)
     _send(pid, signal.SIGTERM)
     where = (f'after checkpoint {after} '
              f'({"during" if ckpts.saving(after + 1) else "after"} the next save)')
   else:  # the kills went 2 or more checkpoints late
-    _until(lambda: _handles_sigterm(pid), launcher, 'a SIGTERM handler', poll=ckpts.POLL)
+    poll_until(lambda: _handles_sigterm(pid), launcher, 'a SIGTERM handler', poll=ckpts.POLL)
     _send(pid, signal.SIGTERM)
     where = 'as its loop started (the kills went late)'
   print(f'seed {seed}: attempt 4 resumed from {resumed}; SIGTERM {where}', flush=True)

@@ -165,19 +165,30 @@ def metrics(workdir) -> dict[int, dict[str, float]]:
   return out
 
 
+def poll_until(done, proc: subprocess.Popen | None, what: str, timeout: float = 300,
+               poll: float = 0.05):
+  """Polls `done()` until it is true (returned); fails once `proc` has exited."""
+  deadline = time.time() + timeout
+  while True:
+    exited = proc is not None and proc.poll() is not None  # first: `done` then sees the end
+    if result := done():
+      return result
+    if exited:
+      raise AssertionError(f'process {proc.pid} exited ({proc.returncode}) before {what}')
+    if time.time() > deadline:
+      raise AssertionError(f'no {what} within {timeout} s')
+    time.sleep(poll)
+
+
 def wait_for_step(workdir, step: int, proc: subprocess.Popen | None = None,
                   timeout: float = 300, since: int = 0) -> None:
   """Blocks until metrics.jsonl logs `step` after its first `since` lines (or proc exits)."""
   path = pathlib.Path(workdir) / 'metrics.jsonl'
-  deadline = time.time() + timeout
-  while time.time() < deadline:
+
+  def logged():
     lines = path.read_text().splitlines()[since:] if path.exists() else []
-    if any(json.loads(l)['step'] >= step for l in lines if l.endswith('}')):
-      return
-    if proc is not None and proc.poll() is not None:
-      raise AssertionError(f'trainer exited ({proc.returncode}) before step {step}')
-    time.sleep(0.05)
-  raise AssertionError(f'no step {step} within {timeout} s')
+    return any(json.loads(l)['step'] >= step for l in lines if l.endswith('}'))
+  poll_until(logged, proc, f'step {step}', timeout)
 
 
 def final_params(workdir, step: int | None = None) -> dict[str, np.ndarray]:
