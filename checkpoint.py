@@ -61,6 +61,7 @@ from store import chunk_store
 from store.chunk_store import (CHECKSUM, FORMAT_VERSION, METADATA, Box, CheckpointReadError,
                          CorruptCheckpointError)
 from hosts.host_sync import Sync
+from store import offload
 from store import step_dirs
 from store import storage
 from store.step_dirs import COMMIT, committed_steps, latest_healthy_step, latest_step, read_metadata
@@ -89,6 +90,15 @@ class CheckpointSaveError(RuntimeError):
 
 
 _SPEC_RE = re.compile(r" ?\[tensorstore_spec='.*?'\]", re.DOTALL)  # kilobytes of JSON
+
+
+def _background() -> None:
+  """Lowers the calling thread's CPU priority (Linux: per thread): the save's transfer,
+  hashing and writes run beside the loop, whose dispatch must not wait for a core."""
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+  except (AttributeError, OSError):  # not Linux, or not allowed: the save is only slower
+    pass
 
 
 def _key_str(key: Any) -> str:
@@ -132,11 +142,16 @@ class Checkpointer:
   tidies what crashed saves left (step_dirs.tidy). Use one Checkpointer per directory at a time (see
   WorkdirLock). fsync=False skips fsync (tests, scratch runs): a power cut may
   then leave a committed step with lost data, which restore's checksums still
-  catch.
+  catch. device_copy: how save() captures the state (store/offload.py): 'auto', an
+  on-device copy moved to host behind the loop where the device has room for it; False,
+  the whole state to host before save() returns; True, an on-device copy regardless.
+  `last_save`: the latest save's costs (seconds save() blocked, bytes copied on device
+  and to host, and once committed the seconds from the call to the commit).
   """
 
   def __init__(self, directory: str, keep_last: int = 3, keep_every: int = 0,
-               use_ocdbt: bool = False, chunk_bytes: int = 64 << 20, fsync: bool = True):
+               use_ocdbt: bool = False, chunk_bytes: int = 64 << 20, fsync: bool = True,
+               device_copy: bool | str = 'auto'):
     if keep_last < 1:
       raise ValueError(f'keep_last={keep_last}: must be >= 1 (the newest '
                        'checkpoint is never deleted).')
@@ -145,6 +160,10 @@ class Checkpointer:
     self.directory = storage.absolute(storage.canonical(directory, 'checkpoint directory'))
     self.keep_last, self.keep_every = keep_last, keep_every
     self.use_ocdbt, self.chunk_bytes, self.fsync = use_ocdbt, chunk_bytes, fsync
+    if device_copy not in (True, False, 'auto'):
+      raise ValueError(f'device_copy={device_copy!r}: must be True, False or "auto".')
+    self.device_copy = device_copy
+    self.last_save: dict[str, Any] = {}
     self._sync = Sync()
     if use_ocdbt and self._sync.count > 1:
       raise ValueError('use_ocdbt=True supports one process only (concurrent '
@@ -155,7 +174,8 @@ class Checkpointer:
     self._verdicts: dict[int, tuple[bool, int]] = {}  # judge()'s, until no save is in flight
     self._error: tuple[int, BaseException] | None = None
     self._not_removed: tuple[str, Exception] | None = None  # a failed save's leftover, and why
-    self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+    self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1,
+                                                       initializer=_background)
     self._tidy()  # before the caller lists committed steps
 
   def latest_step(self) -> int | None:
@@ -177,7 +197,8 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None, *,
            healthy: bool | None = True) -> None:
-    """Snapshots `state` to host now and writes it in the background.
+    """Captures `state` now (an on-device copy, or a host copy: device_copy) and moves it
+    to host and writes it in the background.
 
     `metadata` (JSON-serializable: config, data state, RNG, ...) is stored with
     'step' added. `healthy` says whether the run was healthy at this step (the
@@ -189,6 +210,7 @@ class Checkpointer:
     Saving an already committed step is skipped with a warning (e.g. a
     preemption save right after a resume).
     """
+    began = time.perf_counter()
     self.wait()
     workdir_lock.check_lease(self.directory)  # no save from a run whose lease may lapse
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -210,8 +232,9 @@ class Checkpointer:
                       step, self.directory)
       return
     names, leaves, treedef = _flatten(state)
-    arrays = chunk_store.snapshot(names, leaves, self._sync.index, self.chunk_bytes)
     key = f'olmo3_checkpoint/{next(_OP_IDS)}'
+    taken = offload.take(names, leaves, self._sync.index, self.chunk_bytes, self.device_copy,
+                         lambda chosen: self._agreed(f'{key}/copies', chosen))
     # Broadcast after the clean-up, so no process creates the new tmp dir early.
     tmp = self._sync.broadcast(f'{key}/staging', step_dirs.staging(self.directory, step))
     storage.makedirs(tmp)
@@ -222,21 +245,37 @@ class Checkpointer:
             'healthy': None if healthy is None else bool(healthy)}
     # Daemon: a process that is failing must not hang at exit on a save that
     # waits for peers (train.py abandons it then; the partial save is ignored).
+    stats = {'step': step, 'device_copy_bytes': taken.copied_bytes,
+             'blocking_bytes': taken.blocking_bytes, 'mode': taken.why}
+    self.last_save = stats
     self._thread = threading.Thread(
-        target=self._run, args=(step, tmp, arrays, info, key),
+        target=self._run, args=(step, began, stats, tmp, taken, info, key),
         name=f'checkpoint-save-{step}', daemon=True)
     self._thread.start()
+    stats['blocking_s'] = time.perf_counter() - began
+    logging.info('Checkpoint step %d: %s; save() blocked %.3f s.', step, taken.why,
+                 stats['blocking_s'])
 
-  def _run(self, step: int, *args) -> None:
+  def _agreed(self, key: str, chosen: list[bool]) -> list[bool]:
+    """An array is copied on device where every process has room for it."""
+    if self._sync.count == 1:
+      return chosen
+    masks = [json.loads(m) for m in self._sync.gather(key, json.dumps(chosen))]
+    return [all(m[i] for m in masks) for i in range(len(chosen))]
+
+  def _run(self, step: int, began: float, stats: dict[str, Any], *args) -> None:
+    _background()
     try:
       self._save_and_commit(step, *args)
+      stats['durable_s'] = time.perf_counter() - began  # committed: COMMIT written
     except BaseException as e:  # pylint: disable=broad-except
       self._error = (step, e)
 
-  def _save_and_commit(self, step: int, tmp: str, arrays: list[chunk_store.Snapshot],
+  def _save_and_commit(self, step: int, tmp: str, taken: offload.Taken,
                        info: dict[str, Any], key: str) -> None:
-    error, status, sums = None, 'ok', {}
+    error, status, sums, arrays = None, 'ok', {}, []
     try:
+      arrays = offload.to_host(taken, self._sync.index, self.chunk_bytes)
       sums = chunk_store.write_local(tmp, arrays, self.use_ocdbt, self.fsync, self._pool)
     except BaseException as e:  # pylint: disable=broad-except
       error, status = e, f'process {self._sync.index}: {type(e).__name__}: {e}'
@@ -530,18 +569,27 @@ def restore(directory: str, target: Any, step: int | None = None,
         boxes = {}
         for device, index in sharding.addressable_devices_indices_map(shape).items():
           boxes.setdefault(chunk_store.index_box(index, shape), []).append(device)
+      # A box of whole chunks (a restore onto the saving layout, or a coarser one) is one
+      # read, verified in place: no per-chunk buffers to assemble, and tensorstore reads
+      # its chunks in parallel. Other boxes read the chunks they cut and assemble them.
+      whole = {box: pool.submit(chunk_store.load_box, path, name, stores[name], box,
+                                stored[name], stores[name][chunk_store.slices(box)].read(),
+                                verify, use_ocdbt)
+               for box in boxes if chunk_store.aligned(box, chunk, shape)}
       loads = {}
-      for cid in sorted({c for box in boxes for c in chunk_store.chunk_ids(box, chunk)}):
+      for cid in sorted({c for box in boxes if box not in whole
+                         for c in chunk_store.chunk_ids(box, chunk)}):
         read = stores[name][chunk_store.slices(chunk_store.chunk_box(cid, chunk, shape))].read()
         expected = stored[name]['checksums'].get(chunk_store.chunk_key(cid), '') if verify else None
         loads[cid] = pool.submit(chunk_store.load_chunk, path, name, cid, read, expected, use_ocdbt)
-      plans.append((shape, chunk, boxes, loads))
+      plans.append((shape, chunk, boxes, whole, loads))
     out = []
-    for name, leaf, (_, dtype, sharding), (shape, chunk, boxes, loads) in zip(
+    for name, leaf, (_, dtype, sharding), (shape, chunk, boxes, whole, loads) in zip(
         names, leaves, specs, plans):
       chunks = {cid: f.result() for cid, f in loads.items()}
       saved_dtype = ts.dtype(stored[name]['dtype']).numpy_dtype
-      hosts = {box: chunk_store.assemble(box, chunks, chunk, shape, saved_dtype) for box in boxes}
+      hosts = {box: whole[box].result() if box in whole else
+               chunk_store.assemble(box, chunks, chunk, shape, saved_dtype) for box in boxes}
       if sharding is None:
         value = next(iter(hosts.values()))
         if dtype is None:

@@ -386,6 +386,35 @@ def load_chunk(path: str, name: str, cid: tuple[int, ...], read: Any,
   return data
 
 
+def aligned(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+  """Whether `box` is a union of whole chunks (then one read of it verifies each)."""
+  return all(a % c == 0 and (b % c == 0 or b == n) for (a, b), c, n in zip(box, chunk, shape))
+
+
+def load_box(path: str, name: str, store: Any, box: Box, desc: dict[str, Any], read: Any,
+             verify: bool, use_ocdbt: bool) -> np.ndarray:
+  """The `box` of array `name` (aligned to its chunks) from one tensorstore read, which
+  reads its chunks in parallel into one buffer; each chunk is then checked in place.
+  A failed read is read again chunk by chunk, so the error names the file."""
+  shape, chunk = tuple(desc['shape']), tuple(desc['chunk_shape'])
+  ids = list(chunk_ids(box, chunk))
+  try:
+    data = read.result()
+  except ValueError as e:
+    for cid in ids:  # the chunk to blame: its own read raises naming its file
+      load_chunk(path, name, cid, store[slices(chunk_box(cid, chunk, shape))].read(),
+                 None, use_ocdbt)
+    raise tensorstore_failure(_array_file(path, name, use_ocdbt), f'array {name}',
+                              path, e) from e
+  if verify:
+    for cid in ids:
+      view = data[relative(chunk_box(cid, chunk, shape), box)]
+      if checksum(view) != desc['checksums'].get(chunk_key(cid), ''):
+        raise CorruptCheckpointError(f'Checkpoint {path}: array {name} {chunk_key(cid)} '
+                                     f'fails its {CHECKSUM} checksum.')
+  return data
+
+
 def verify_in_full(path: str) -> None:
   """Reads every chunk of the checkpoint in `path` against its checksum.
 

@@ -675,8 +675,19 @@ state, meta = ckpt.restore_latest_good(target)
 assert meta['step'] == 1, meta
 for shard in state['w'].addressable_shards:
   np.testing.assert_array_equal(np.asarray(shard.data), ref[shard.index])
+# The on-device copy (store/offload.py) as on an accelerator: process 1 has no room at
+# step 2, so neither copies (one program); at step 3 both have room, and both copy.
+from store import offload
+offload.HOST_PLATFORMS = ()
+offload.room = lambda devices: {d: 0 if jax.process_index() == 1 else 1 << 30 for d in devices}
 ckpt.save(2, {'w': jax.jit(lambda x: x + 1)(state['w']), 'r': state['r'], 'n': 5},
           {'process_count': jax.process_count()})
+assert ckpt.last_save['device_copy_bytes'] == 0, ckpt.last_save
+ckpt.wait()
+offload.room = lambda devices: {d: 1 << 30 for d in devices}
+ckpt.save(3, {'w': jax.jit(lambda x: x + 2)(state['w']), 'r': state['r'], 'n': 5},
+          {'process_count': jax.process_count()})
+assert ckpt.last_save['device_copy_bytes'] > 0, ckpt.last_save
 ckpt.close()
 print('worker ok', jax.process_index())
 '''
@@ -684,7 +695,8 @@ print('worker ok', jax.process_index())
 
 @pytest.mark.slow
 def test_two_processes_restore_and_save_cooperatively(tmp_path):
-  """Saved by 1 process on 8 devices, restored and re-saved by 2 processes x 4."""
+  """Saved by 1 process on 8 devices, restored and re-saved by 2 processes x 4 (with
+  and without the on-device copy, which the processes must agree on)."""
   ref = np.random.default_rng(0).standard_normal((16, 12), dtype=np.float32)
   mesh8 = _mesh((8,), ('fsdp',))
   with checkpoint.Checkpointer(str(tmp_path)) as ckpt:
@@ -700,14 +712,14 @@ def test_two_processes_restore_and_save_cooperatively(tmp_path):
   outputs = [p.communicate(timeout=240)[0] for p in procs]
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0 and f'worker ok {i}' in out, out[-3000:]
-  assert checkpoint.committed_steps(str(tmp_path)) == [2]
-  info = json.loads((tmp_path / 'step_2' / checkpoint.METADATA).read_text())
+  assert checkpoint.committed_steps(str(tmp_path)) == [3]
+  info = json.loads((tmp_path / 'step_3' / checkpoint.METADATA).read_text())
   assert info['process_count'] == 2 and info['metadata']['process_count'] == 2
   target = {'w': jax.ShapeDtypeStruct((16, 12), np.float32,
                                       sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
             'r': np.zeros(3, np.float32), 'n': 0}
   state, _ = checkpoint.restore(str(tmp_path), target)
-  np.testing.assert_array_equal(np.asarray(state['w']), ref + 1)
+  np.testing.assert_array_equal(np.asarray(state['w']), ref + 2)
   np.testing.assert_array_equal(state['r'], np.arange(3.0))
   assert state['n'] == 5
 
