@@ -146,7 +146,9 @@ class Checkpointer:
   on-device copy moved to host behind the loop where the device has room for it; False,
   the whole state to host before save() returns; True, an on-device copy regardless.
   `last_save`: the latest save's costs (seconds save() blocked, bytes copied on device
-  and to host, and once committed the seconds from the call to the commit).
+  and to host, and once committed the seconds from the call to the commit);
+  `recent_saves`: the latest 8 saves' (a save waits for the one before it, so a step's
+  cost is complete before the step after next is saved).
   """
 
   def __init__(self, directory: str, keep_last: int = 3, keep_every: int = 0,
@@ -164,6 +166,7 @@ class Checkpointer:
       raise ValueError(f'device_copy={device_copy!r}: must be True, False or "auto".')
     self.device_copy = device_copy
     self.last_save: dict[str, Any] = {}
+    self.recent_saves: list[dict[str, Any]] = []  # the last_save of the latest 8 saves
     self._sync = Sync()
     if use_ocdbt and self._sync.count > 1:
       raise ValueError('use_ocdbt=True supports one process only (concurrent '
@@ -248,6 +251,7 @@ class Checkpointer:
     stats = {'step': step, 'device_copy_bytes': taken.copied_bytes,
              'blocking_bytes': taken.blocking_bytes, 'mode': taken.why}
     self.last_save = stats
+    self.recent_saves = self.recent_saves[-7:] + [stats]
     self._thread = threading.Thread(
         target=self._run, args=(step, began, stats, tmp, taken, info, key),
         name=f'checkpoint-save-{step}', daemon=True)

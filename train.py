@@ -154,10 +154,8 @@ def restore_or_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh,
       state = load_init(cfg, tx, mesh, state, shardings)
     return state, None
   latest = ckpt.latest_step()
-  try:  # refuse a changed config before spending a restore on it
+  with contextlib.suppress(checkpoint.CorruptCheckpointError):  # refused early; corrupt: below
     config_checks.check_same_run(cfg, checkpoint.read_metadata(ckpt.directory, latest))
-  except checkpoint.CorruptCheckpointError:
-    pass  # restore_latest_good sets it aside and falls back; checked below
   target = abstract_state(cfg, tx, mesh)
   state, meta = ckpt.restore_latest_good(target)  # straight into its shards
   if meta['step'] != latest:
@@ -259,7 +257,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   mesh = account.timed('tpu initialization', sharding.make_mesh, cfg.train)  # before packing
   goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile
   cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
-  ds = data.dataset_from_config(cfg.data, cache_dir=cache_dir)  # 'packed' packs here, once
+  ds = account.timed('training prep', data.dataset_from_config, cfg.data, cache_dir,
+                     stage='data set')  # 'packed' packs here, once; stages: Account.stage
   accum = batches.grad_accum_steps(cfg.data.global_batch_size,
                                    int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
                                    cfg.train.micro_batch_size)
@@ -271,8 +270,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   lock = (workdir_lock.WorkdirLock(workdir) if jax.process_index() == 0
           else contextlib.nullcontext())
   with lock, account:
-    ckpt = checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),
-                                   keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
+    ckpt = account.watch(checkpoint.Checkpointer(storage.join(workdir, 'checkpoints'),  # costs
+        keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every))
     committed = ckpt.committed_steps()
     if not committed and (misplaced := step_dirs.check_fresh_start(ckpt.directory, workdir)):
       health.warn(f'WARNING: {misplaced}')
@@ -285,7 +284,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
               (), np.float32), then=lambda: host_sync.barrier('first step'))
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     state, data_state = account.timed('checkpoint restore' if ckpt.committed_steps() else
-                                      'training prep', restore_or_init, cfg, tx, mesh, ckpt)
+                                      'training prep', restore_or_init, cfg, tx, mesh, ckpt,
+                                      stage='checkpoint restore, or the state\'s init')
     start = int(jax.device_get(state.opt_state.step))
 
     def make_loader(data_state, step):  # again after a rollback, with its window skipped
@@ -355,7 +355,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
       if log or save:  # the guard sees the steps here, and judges the states before them
         last = progress.flush(log)
         memorization.observe_train(step, last['train/CE loss'])
-        account.record(step)
+        account.record(step, writer=writer)  # and the latest save's costs
         for judged, healthy in guard.verdicts():  # before a rollback picks a state
           ckpt.judge(judged, healthy, judged + 1)
       if guard.reason:  # roll back to the last healthy state, or stop (EXIT_DIVERGED)

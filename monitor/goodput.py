@@ -103,6 +103,14 @@ class Account:
     self.latest: dict[str, float] = {}  # the seconds of each category's latest `phase`
     self.segments: list[dict[str, Any]] = []
     self.first_step_s: float | None = None
+    # Where the time to first step goes, in order: [what, seconds] for each stretch of one
+    # category (its name), or of a named stage within one (`stage`); the first is the
+    # process's own start (interpreter, imports) up to this account.
+    self.stages: list[list] = [[f'{self.start_name} to train() (imports)',
+                                self.since - self.start]]
+    self.stage_since = self.since
+    self.saver: Any = None  # a Checkpointer whose saves' costs `record` writes (`watch`)
+    self.costs_written: set[tuple[int, str]] = set()
     self.exit_code: int | None = None
     if then:
       self.switch(then)
@@ -131,24 +139,38 @@ class Account:
   def switch(self, category: str) -> str:
     """From now on the time goes to `category`; returns the one that was running."""
     now = time.time()
+    self.stage(self.current)
     self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.since
     previous, self.current, self.since = self.current, category, now
     return previous
 
   @contextlib.contextmanager
-  def phase(self, category: str):
-    """The block's time goes to `category`; its seconds are then latest[category]."""
+  def phase(self, category: str, stage: str = ''):
+    """The block's time goes to `category` (a start-up stage named `stage`, if given); its
+    seconds are then latest[category]."""
     previous, began = self.switch(category), time.perf_counter()
     try:
       yield
     finally:
+      if stage:
+        self.stage(stage)
       self.switch(previous)
       self.latest[category] = time.perf_counter() - began
 
-  def timed(self, category: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args), its time going to `category`."""
-    with self.phase(category):
+  def timed(self, category: str, fn: Callable[..., Any], *args: Any, stage: str = '') -> Any:
+    """fn(*args), its time going to `category` (and to start-up stage `stage`)."""
+    with self.phase(category, stage):
       return fn(*args)
+
+  def stage(self, name: str) -> None:
+    """Until the first step: the time since the last stage ended was start-up stage
+    `name` (every switch of category ends one too, named by the category). They add up to
+    the time to first step, printed with it."""
+    if self.first_step_s is None:
+      now = time.time()
+      if now - self.stage_since >= 0.0005:
+        self.stages.append([name, now - self.stage_since])
+      self.stage_since = now
 
   def elapsed(self) -> float:
     return time.time() - self.start
@@ -163,7 +185,9 @@ class Account:
 
   def begin_segment(self, step: int) -> None:
     """Steps after `step` follow, productive from now (at the loop's start, and after a
-    rollback restored `step`)."""
+    rollback restored `step`). At a start, what came since the state was ready (the
+    loader, evaluators, writers) is its own start-up stage."""
+    self.stage('loader, evaluators, writers')
     self.segments.append({'from': step, 'marks': [[step, self._productive(), True]]})
     self.switch(PRODUCTIVE)
 
@@ -194,10 +218,36 @@ class Account:
     return {'start': self.start, 'end': now, 'host': socket.gethostname(),
             'pid': os.getpid(), 'processes': jax.process_count(),
             'seconds': self.now_seconds(now), 'segments': self.segments,
-            'time to first step (s)': self.first_step_s, 'exit_code': self.exit_code}
+            'time to first step (s)': self.first_step_s, 'start-up (s)': self.stages,
+            'exit_code': self.exit_code}
 
-  def record(self, step: int | None = None, save: bool = False) -> None:
-    """Writes this process's record (process 0), marking the progress through `step`."""
+  def watch(self, saver: Any) -> Any:
+    """Returns `saver` (checkpoint.Checkpointer), whose saves' costs `costs` logs."""
+    self.saver = saver
+    return saver
+
+  def costs(self, step: int, writer: Any) -> None:
+    """The watched saver's recent saves, at `step`, each figure once: how long save()
+    held the loop and what it copied on device, then (at the first call after its commit)
+    the time from save() to the commit, with the step saved."""
+    for save in getattr(self.saver, 'recent_saves', []):
+      out = {}
+      if 'blocking_s' in save and (save['step'], 'blocked') not in self.costs_written:
+        self.costs_written.add((save['step'], 'blocked'))
+        out |= {'goodput/checkpoint save blocked (s)': save['blocking_s'],
+                'goodput/checkpoint copied on device (GB)': save['device_copy_bytes'] / 1e9}
+      if 'durable_s' in save and (save['step'], 'durable') not in self.costs_written:
+        self.costs_written.add((save['step'], 'durable'))
+        out |= {'goodput/checkpoint durable (s)': save['durable_s'],
+                'goodput/checkpoint durable step': float(save['step'])}
+      if out:
+        writer.write(step, out)
+
+  def record(self, step: int | None = None, save: bool = False, writer: Any = None) -> None:
+    """Writes this process's record (process 0), marking the progress through `step`;
+    with `writer`, the watched saver's costs too (`costs`)."""
+    if writer is not None and step is not None:
+      self.costs(step, writer)
     if step is not None:
       self.mark(step, saved=save)
     if not self.writes:
@@ -221,6 +271,9 @@ class Account:
     with self.phase('program startup' if first else PRODUCTIVE):
       out = train_step(*args)
       if first:
+        waited = getattr(train_step, 'compile_wait_s', 0.0)  # compile_ahead's
+        self.stages.append(['compile (waited for)', waited])
+        self.stage_since += waited
         self.first_step_done(step, out[1], writer)
     return out
 
@@ -232,20 +285,24 @@ class Account:
     self.switch('checkpoint save')
     yield
     self.switch(PRODUCTIVE)
-    self.record(step, save=True)
+    self.record(step, save=True, writer=writer)
     if not final:
       self.write(step, writer)
 
   def write(self, step: int, writer: Any) -> None:
-    """The run's `goodput/` metrics (the account so far) at `step` (writer: MetricWriter)."""
+    """The run's `goodput/` metrics (the account so far) at `step` (writer: MetricWriter),
+    and the watched saver's costs not yet logged."""
+    self.costs(step, writer)
     writer.write(step, metrics(self.summary()))
 
   def first_step_done(self, step: int, step_metrics: Any, writer: Any) -> None:
     """After this process's first step (waited for): `time to first step (s)`, from the
     process's start (session_start), printed and logged (writer: metrics.MetricWriter)."""
     jax.block_until_ready(step_metrics)
+    self.stage('first step (trace, dispatch, run)')
     seconds = self.first_step()
-    print(f'time to first step {seconds:.1f}s ({self.start_name} to step {step})', flush=True)
+    print(f'time to first step {seconds:.1f}s ({self.start_name} to step {step}): '
+          + ', '.join(f'{k} {v:.1f}s' for k, v in self.stages if v >= 0.05), flush=True)
     writer.write(step, {'goodput/time to first step (s)': seconds})
     self.resume_collector()
 
@@ -413,8 +470,11 @@ def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lam
 
   def call(*args):
     if waiting:
+      began = time.perf_counter()
       thread.join()
+      call.compile_wait_s = time.perf_counter() - began  # the start-up's stage
       then()
       waiting.clear()
     return step(*args)
+  call.compile_wait_s = 0.0
   return call

@@ -8,10 +8,11 @@ waits for the transfer: 5.66 GB at ~1.9 GB/s is ~3 s on a TPU v5e, against a
 save's thread then moves the copy to host (`to_host`) while the steps run,
 and frees it. The copy needs HBM room for the arrays copied, on every device
 at once: `room` reads each device's allocator (its limit less its peak so
-far, which includes the train step's own peak once a step has run), and
-`take` copies only the arrays that fit (largest first); the rest are copied
-to host before it returns, as every save did before (`Taken.blocking` says
-how many bytes, and why, for the log).
+far, which includes the train step's own peak once a step has run; an
+earlier copy's share of that peak is taken out), and `take` copies only the
+arrays that fit (largest first); the rest are copied to host before it
+returns, as every save did before (`Taken.blocking_bytes` and `why` say how
+much, and why, for the log).
 
 On a CPU the device is the host: the host view is a zero-copy view of the
 buffer, which PJRT keeps alive through donation, so `take` copies nothing
@@ -46,6 +47,8 @@ class Taken:
   copied_bytes: int          # per device, the largest
   blocking_bytes: int        # per process: what went to host before `take` returned
   why: str                   # one line for the log: the mode and, for a fallback, why
+  per_device: dict[Any, int]  # the copies' bytes on each device
+  peak_before: dict[Any, int]  # each device's allocator peak before the copy
 
 
 def _device_bytes(leaf: Any) -> dict[Any, int]:
@@ -56,18 +59,46 @@ def _device_bytes(leaf: Any) -> dict[Any, int]:
   return out
 
 
+# Per device: the peak of everything but this module's copies, and the allocator's peak
+# when the last copy was freed. The allocator's own peak never falls, and once a copy has
+# lived beside the steps it counts the copy too: read raw, the second save would find
+# no room left for the same copy the first one made.
+_LOOP_PEAK: dict[Any, int] = {}
+_PEAK_AFTER_COPY: dict[Any, int] = {}
+
+
+def _peak(stats: dict[str, int]) -> int:
+  return max(stats.get('peak_bytes_in_use', 0), stats.get('bytes_in_use', 0))
+
+
 def room(devices: list[Any]) -> dict[Any, int] | None:
-  """Free bytes per device for a copy beside the train step (limit - peak, less MARGIN);
-  None where the platform reports no allocator (CPU)."""
+  """Free bytes per device for a copy beside the train step: the limit (less MARGIN) less
+  the peak of what the loop itself allocated (its steps, evaluations) so far; None
+  where the platform reports no allocator (CPU)."""
   out = {}
   for d in devices:
     stats = d.memory_stats()
     if not stats or 'bytes_limit' not in stats:
       return None
-    limit = stats['bytes_limit']
-    peak = max(stats.get('peak_bytes_in_use', 0), stats.get('bytes_in_use', 0))
-    out[d] = max(0, int(limit * (1 - MARGIN)) - peak)
+    peak = _peak(stats)
+    if peak > _PEAK_AFTER_COPY.get(d, -1):  # reached with no copy of ours alive: the loop's
+      _LOOP_PEAK[d] = max(_LOOP_PEAK.get(d, 0), peak)
+    used = max(_LOOP_PEAK[d], stats.get('bytes_in_use', 0))
+    out[d] = max(0, int(stats['bytes_limit'] * (1 - MARGIN)) - used)
   return out
+
+
+def _copies_freed(copied: dict[Any, int], peak_before: dict[Any, int]) -> None:
+  """After the copies (bytes per device) were freed: a peak reached while they lived was
+  the loop's own less the copy."""
+  for d, nbytes in copied.items():
+    stats = d.memory_stats()
+    if not stats:
+      continue
+    peak = _peak(stats)
+    if peak > peak_before.get(d, peak):
+      _LOOP_PEAK[d] = max(_LOOP_PEAK.get(d, 0), peak - nbytes)
+    _PEAK_AFTER_COPY[d] = peak
 
 
 def plan(leaves: list[Any], free: dict[Any, int] | None) -> list[bool]:
@@ -125,6 +156,7 @@ def take(names: list[str], leaves: list[Any], process_index: int, chunk_bytes: i
   chosen = agree(chosen)
   copy_idx = [i for i, c in enumerate(chosen) if c]
   out = list(leaves)
+  peak_before = {d: _peak(stats) for d in devices if copy_idx and (stats := d.memory_stats())}
   if copy_idx:  # dispatched before any host copy below, and before the next step
     for i, y in zip(copy_idx, _copy([leaves[i] for i in copy_idx])):
       out[i] = y
@@ -152,7 +184,7 @@ def take(names: list[str], leaves: list[Any], process_index: int, chunk_bytes: i
              'take the whole save off the loop')
     else:
       why = f'copied on device ({copied / 1e9:.2f} GB of {worst:.2f} GB free)'
-  return Taken(list(names), out, chosen, copied, blocking, why)
+  return Taken(list(names), out, chosen, copied, blocking, why, per_device, peak_before)
 
 
 def to_host(taken: Taken, process_index: int, chunk_bytes: int
@@ -165,6 +197,8 @@ def to_host(taken: Taken, process_index: int, chunk_bytes: int
   for i, snap in zip(idx, moved):
     out[i] = snap
     taken.leaves[i].delete()  # its bytes are on host now; the HBM goes back at once
+  if idx:
+    _copies_freed(taken.per_device, taken.peak_before)
   taken.leaves = out
   taken.copied = [False] * len(out)
   return out

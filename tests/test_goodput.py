@@ -386,3 +386,15 @@ def test_the_spine_stays_short_and_the_phases_it_hands_to_the_account_are_timed(
   assert 'goodput/goodput (%)' in logged[2] and 'goodput/goodput (%)' in logged[4]
   assert logged[1]['goodput/time to first step (s)'] == record['time to first step (s)']
   assert all(0 <= logged[s]['time/data wait'] < 60 for s in range(1, 5))
+  # The start-up's stages add up to the time to first step, which is timed apart (from the
+  # process's start to the first step's end), and name the compile and the first step.
+  stages = dict(record['start-up (s)'])
+  assert abs(sum(stages.values()) - record['time to first step (s)']) < 0.01, stages
+  assert {'compile (waited for)', 'first step (trace, dispatch, run)',
+          "checkpoint restore, or the state's init"} <= stages.keys(), stages
+  # Each save's costs, once each: what save() held the loop, then the time to its commit.
+  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  blocked = [r['step'] for r in records if 'goodput/checkpoint save blocked (s)' in r]
+  durable = [r['goodput/checkpoint durable step'] for r in records
+             if 'goodput/checkpoint durable step' in r]
+  assert blocked == [2, 4] and durable == [2, 4], (blocked, durable)
