@@ -2,6 +2,13 @@
 
   python scripts/launch.py -- python train.py --config=configs/olmo3_7b.py --workdir=/ckpt/run
 
+Where: one host (a workstation, a single-host TPU VM such as a v5e-8, a GPU
+machine), or one launcher around `srun` under SLURM. Not on a multi-host TPU
+slice: there the slice restarts as one unit, by the engine that schedules it
+(deploy/jobset-v5e.yaml, a GKE JobSet with these same exit-code rules), and a
+launcher per host would restart each host on its own clock and could not bring
+back a preempted slice (docs/pods.md).
+
 Everything after `--` is the trainer command. Its exit code (errors.py) decides:
 
   0                          done: the launcher exits 0.
@@ -44,10 +51,10 @@ trainer (which checkpoints and exits) within SIGNAL_CHECK_SECONDS, and then the
 launcher exits too; one that comes before a trainer is started (or between
 attempts, which ends the backoff's wait) starts none. Every
 start, exit and restart is logged to stderr and appended to
-<workdir>/launcher.log, each line naming the host and the launcher's pid (on a
-pod every host's launcher appends to the same file). SIGUSR1 prints every
-thread's stack to stderr (and the launcher goes on). See BUILD.md for TPU pods
-(one launcher per host, same command) and SLURM (one launcher around `srun`).
+<workdir>/launcher.log, each line naming the host and the launcher's pid (when
+several launchers share a workdir, each appends to the same file). SIGUSR1
+prints every thread's stack to stderr (and the launcher goes on). SLURM: one
+launcher around `srun` (docs/results/scale.md); pods: docs/pods.md.
 """
 
 import argparse

@@ -320,11 +320,12 @@ def test_the_docs_help_commands_run():
     assert proc.returncode == 1 and '--config' in proc.stdout, proc.stderr[-2000:]  # absl: 1
 
 
-def test_the_docs_name_every_exit_code_and_the_launcher_rule():
+def test_the_docs_and_the_launcher_say_where_each_restarts():
   text = PODS_DOC.read_text()
   for code in EXIT_CODES.values():
     assert re.search(rf'^\| {code} \|', text, re.M), f'docs/pods.md: no row for exit {code}'
   assert 'scripts/launch.py' in text and 'multi-host' in text
+  assert 'docs/pods.md' in launch.__doc__ and 'Not on a multi-host' in launch.__doc__
 
 
 # --- The tpu extra ------------------------------------------------------------------------------
