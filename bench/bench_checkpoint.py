@@ -271,7 +271,7 @@ def vs_orbax(args) -> dict:
   step_s = (time.perf_counter() - t0) / args.window
   free = offload.room(jax.local_devices())
   limit = (jax.local_devices()[0].memory_stats() or {}).get('bytes_limit')
-  root = pathlib.Path(tempfile.mkdtemp(prefix='bench_checkpoint_', dir=args.dir))
+  root = pathlib.Path(tempfile.mkdtemp(prefix='bench_checkpoint_', dir=args.dir)).resolve()
   savers = [_Ours(root / 'ours', args.device_copy), _Orbax(root / 'orbax')]
   results = {s.name: {'lost_s': [], 'blocked_s': [], 'durable_in_window_s': []}
              for s in savers}

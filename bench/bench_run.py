@@ -83,19 +83,19 @@ def run_train(workdir: str, steps: int, args, extra: list[str]) -> tuple[str, fl
   return proc.stdout, seconds
 
 
-def records(workdir: str) -> dict[int, dict]:
-  """metrics.jsonl, the records of each step merged (the resumed run's replace the first's
-  past its checkpoint, as MetricWriter drops them)."""
+def records(workdir: str) -> tuple[dict[int, dict], list[dict]]:
+  """metrics.jsonl: the records of each step merged (the resumed run's replace the first's
+  past its checkpoint, as MetricWriter drops them), and every record as written."""
   out: dict[int, dict] = {}
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    for line in f:
-      r = json.loads(line)
-      out.setdefault(r.pop('step'), {}).update(r)
-  return out
+    raw = [json.loads(line) for line in f]
+  for r in raw:
+    out.setdefault(r['step'], {}).update({k: v for k, v in r.items() if k != 'step'})
+  return out, raw
 
 
-def analyse(recs: dict[int, dict], first: int, last: int, every: int, log_every: int
-            ) -> dict:
+def analyse(recs: dict[int, dict], raw: list[dict], first: int, last: int, every: int,
+            log_every: int) -> dict:
   """The windows of one process's steps (first, last]: the step's own time, throughput,
   each save's cost."""
   logs = [s for s in sorted(recs) if first < s <= last and 'time/step' in recs[s]]
@@ -121,7 +121,7 @@ def analyse(recs: dict[int, dict], first: int, last: int, every: int, log_every:
                     'window_extra_s': sec - (b - a) * step_s, 'eval_s': ev,
                     'cost_s': sec - (b - a) * step_s - ev})
   durable = {int(r['goodput/checkpoint durable step']): r['goodput/checkpoint durable (s)']
-             for r in recs.values() if 'goodput/checkpoint durable step' in r}
+             for r in raw if 'goodput/checkpoint durable step' in r}
   for s in saves:
     s['durable_s'] = durable.get(s['step'])
   return {'step_s': step_s, 'tokens_per_step': tokens_per_step,
@@ -158,19 +158,19 @@ def main() -> None:
   load = os.getloadavg()
   out1, wall1 = run_train(workdir, args.steps, args, extra)
   out2, wall2 = run_train(workdir, args.steps + args.resume_steps, args, extra)
-  recs = records(workdir)
+  recs, raw = records(workdir)
   sessions = goodput.read_sessions(workdir)
   account = goodput.summary(workdir)
   result = {
       'workdir': workdir, 'train.py flags': extra, 'load_before': load,
       'load_after': os.getloadavg(),
-      'run': {**analyse(recs, 0, args.steps, args.every, args.log_every),
+      'run': {**analyse(recs, raw, 0, args.steps, args.every, args.log_every),
               **startup(out1), 'process_wall_s': wall1,
               'goodput': goodput.summarize(sessions[:1])},
       'resume': {**startup(out2), 'process_wall_s': wall2,
                  'restore_s': sessions[-1]['seconds'].get('checkpoint restore', 0.0),
                  **({} if args.resume_steps < 3 * args.log_every else
-                    {'step_s': analyse(recs, args.steps, args.steps + args.resume_steps,
+                    {'step_s': analyse(recs, raw, args.steps, args.steps + args.resume_steps,
                                        args.every, args.log_every)['step_s']})},
       'goodput': account}
   r = result['run']
