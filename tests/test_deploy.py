@@ -17,7 +17,6 @@ argv with the entry point's own flags and parser (config file, --config.* overri
 one-line mistakes) and prints what it parsed.
 """
 
-import copy
 import json
 import pathlib
 import re
