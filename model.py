@@ -45,20 +45,104 @@ ARCHITECTURE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'he
                       'mlp_hidden', 'vocab_size', 'layer_pattern', 'sliding_window',
                       'rope_theta', 'norm_eps')
 
-# Which activations a remat'd scan group keeps for the backward pass. 'full'
-# recomputes everything but the group's input; the save-lists keep the named
-# tensors (see checkpoint_name calls in `_block`), as MaxText's policies do.
-REMAT_POLICIES: dict[str, Any] = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'save_qkv': jax.checkpoint_policies.save_only_these_names(
-        'query', 'key', 'value'),
-    'save_qkv_attn': jax.checkpoint_policies.save_only_these_names(
-        'query', 'key', 'value', 'attention_out'),
-    'save_proj': jax.checkpoint_policies.save_only_these_names(
-        'query', 'key', 'value', 'attention_out', 'mlp_gate', 'mlp_up'),
+# --- Remat: which activations the backward keeps ------------------------------
+# Under remat a scan group (one layer-pattern period) keeps its input and what the
+# policy saves; the backward recomputes the rest. `_block` names these activations of
+# each layer (checkpoint_name). Saving a projection *before* its RMSNorm is what spares
+# the matmul: the norm's backward needs its input, so a saved normed q or k (or the
+# block's normed outputs) would leave the matmul to be recomputed all the same.
+ACTIVATIONS = {
+    'q_proj': 'x @ w_q, before QK-norm [B, T, H*K]',
+    'k_proj': 'x @ w_k, before QK-norm [B, T, G*K]',
+    'v_proj': 'x @ w_v [B, T, G*K]',
+    'attn_out': "attention's output [B, T, H, K] (the Pallas kernel's residual)",
+    'attn_lse': "the Pallas kernel's float32 log-sum-exp [B, H, T] (with attn_out, no "
+                'attention forward is recomputed)',
+    'attn_proj': 'attention output @ w_o, before its norm [B, T, D]',
+    'mlp_gate': 'h @ w_gate [B, T, F]',
+    'mlp_up': 'h @ w_up [B, T, F]',
+    'mlp_out': 'silu(gate) * up @ w_down, before its norm [B, T, D]',
 }
+ACTIVATION_GROUPS = {
+    'qkv': ('q_proj', 'k_proj', 'v_proj'),
+    'attn': ('attn_out', 'attn_lse'),
+    'outs': ('attn_proj', 'mlp_out'),  # with both, the residual stream recomputes without a matmul
+    'gate_up': ('mlp_gate', 'mlp_up'),
+    'all': tuple(ACTIVATIONS),
+}
+# Named policies; any other value of cfg.remat is a save list (`remat_plan`).
+REMAT_PRESETS = {
+    'none': None,  # no remat: every activation stays live for the backward
+    'full': '',  # save nothing but each group's input
+    'save_dots': None,  # every matmul output without a batch dimension (jax's policy)
+    'save_qkv': 'qkv',
+    'save_attn': 'attn',
+    'save_outs': 'outs',
+    'save_qkv_attn': 'qkv,attn',
+    'save_proj': 'all',
+}
+REMAT_SYNTAX = ("a preset or a comma-separated save list of [LAYERS:]NAME[@host] items: "
+                "NAME an activation or group (" + ', '.join([*ACTIVATION_GROUPS, *ACTIVATIONS])
+                + "); LAYERS 'S' (sliding layers), 'F' (full layers) or positions in the "
+                "layer pattern (e.g. '03'); '@host' offloads to host memory instead of "
+                "keeping it on the device (e.g. 'outs,attn,F:qkv@host')")
+
+
+def activation_name(position: int, name: str) -> str:
+  """The checkpoint name of activation `name` of the block at `position` in the pattern."""
+  return f'block{position}.{name}'
+
+
+def remat_plan(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]] | None:
+  """{'device': names, 'host': names} that cfg.remat saves (qualified by layer position).
+
+  None for 'none' and 'save_dots' (no save list); a ValueError naming the item for a
+  spec that `REMAT_SYNTAX` does not describe.
+  """
+  spec = REMAT_PRESETS.get(cfg.remat, cfg.remat)
+  if spec is None:
+    return None
+  period = len(cfg.layer_pattern)
+  where: dict[str, str] = {}
+  for item in filter(None, (s.strip() for s in spec.split(','))):
+    layers, _, rest = item.rpartition(':')
+    name, _, place = rest.partition('@')
+    if name not in ACTIVATION_GROUPS and name not in ACTIVATIONS:
+      raise ValueError(f'{item!r} names no activation')
+    if place not in ('', 'host'):
+      raise ValueError(f"{item!r}: the place after '@' can only be 'host'")
+    if layers in ('S', 'F'):
+      positions = [j for j, kind in enumerate(cfg.layer_pattern) if kind == layers]
+      if not positions:
+        raise ValueError(f'{item!r}: layer_pattern {cfg.layer_pattern!r} has no {layers!r} layer')
+    elif layers == '':
+      positions = list(range(period))
+    elif layers.isdigit() and all(int(c) < period for c in layers):
+      positions = sorted({int(c) for c in layers})
+    else:
+      raise ValueError(f'{item!r}: {layers!r} is neither S, F nor positions below the '
+                       f'layer pattern period {period}')
+    for j in positions:
+      for one in ACTIVATION_GROUPS.get(name, (name,)):
+        key = activation_name(j, one)
+        if where.setdefault(key, place or 'device') != (place or 'device'):
+          raise ValueError(f'{item!r}: {key} is both kept on the device and offloaded')
+  return {place: tuple(sorted(k for k, v in where.items() if v == place))
+          for place in ('device', 'host')}
+
+
+def remat_policy(cfg: ml_collections.ConfigDict) -> Any:
+  """The jax.checkpoint policy of cfg.remat (None for 'none': no checkpoint at all)."""
+  if cfg.remat == 'none':
+    return None
+  if cfg.remat == 'save_dots':
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  names = remat_plan(cfg)
+  if not names['host']:  # no host memory kinds: the policy every backend compiles
+    return jax.checkpoint_policies.save_only_these_names(*names['device'])
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=names['device'], names_which_can_be_offloaded=names['host'],
+      offload_src='device', offload_dst='pinned_host')
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
@@ -77,8 +161,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     problems.append(f'head_dim={cfg.head_dim} must be even for RoPE')
   if 'S' in cfg.layer_pattern and cfg.sliding_window < 1:
     problems.append(f'sliding_window={cfg.sliding_window} must be >= 1')
-  if cfg.remat not in REMAT_POLICIES:
-    problems.append(f'remat={cfg.remat!r} is not one of {sorted(REMAT_POLICIES)}')
+  try:
+    remat_plan(cfg)
+  except ValueError as e:
+    problems.append(f'remat={cfg.remat!r} is not one of {sorted(REMAT_PRESETS)} nor a save '
+                    f'list ({e}): {REMAT_SYNTAX}')
   if cfg.attention_impl not in kernels.IMPLS:
     problems.append(f'attention_impl={cfg.attention_impl!r} is not one of {kernels.IMPLS}')
   elif cfg.attention_impl == 'pallas' and (reason := kernels.pallas_unsupported(cfg)):
@@ -238,36 +325,37 @@ def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
 # --- The block and the stack ------------------------------------------------
 
 
-def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, window: int | None,
+def _block(x_BTD: jax.Array, p: dict[str, jax.Array], *, position: int, window: int | None,
            rope: tuple[jax.Array, jax.Array], segment_ids_BT: jax.Array | None,
            cfg: ml_collections.ConfigDict, ops: kernels.Ops) -> jax.Array:
   """One reordered-norm block: h = x + norm(attn(x)); y = h + norm(mlp(h)).
 
   `mm` is x @ w (ops.matmul: the same product, with a backward tuned per platform).
+  `position` (in the layer pattern) qualifies the names a remat policy saves by.
   """
   dtype, mm = x_BTD.dtype, ops.matmul
   b, t, _ = x_BTD.shape
   w = {name: value.astype(dtype) for name, value in p.items()}
+  name = lambda x, what: checkpoint_name(x, activation_name(position, what))
 
   # QK-norm over the whole projection, before splitting into heads and RoPE.
-  q = rms_norm(mm(x_BTD, w['w_q']), p['q_norm'], cfg.norm_eps)
-  k = rms_norm(mm(x_BTD, w['w_k']), p['k_norm'], cfg.norm_eps)
-  v = mm(x_BTD, w['w_v'])
+  q = rms_norm(name(mm(x_BTD, w['w_q']), 'q_proj'), p['q_norm'], cfg.norm_eps)
+  k = rms_norm(name(mm(x_BTD, w['w_k']), 'k_proj'), p['k_norm'], cfg.norm_eps)
+  v = name(mm(x_BTD, w['w_v']), 'v_proj')
   q_BTHK = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), *rope)
   k_BTGK = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), *rope)
   v_BTGK = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-  q_BTHK = checkpoint_name(q_BTHK, 'query')
-  k_BTGK = checkpoint_name(k_BTGK, 'key')
-  v_BTGK = checkpoint_name(v_BTGK, 'value')
-  # reference_attention's equation, on the implementation cfg.attention_impl selects.
-  o_BTHK = ops.attention(q_BTHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=segment_ids_BT)
-  o_BTHK = checkpoint_name(o_BTHK, 'attention_out')
-  attn_BTD = mm(o_BTHK.reshape(b, t, -1), w['w_o'])
+  # reference_attention's equation, on the implementation cfg.attention_impl selects;
+  # it names its output (and the Pallas kernel its log-sum-exp) for the remat policy.
+  o_BTHK = ops.attention(q_BTHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=segment_ids_BT,
+                         names=(activation_name(position, 'attn_out'),
+                                activation_name(position, 'attn_lse')))
+  attn_BTD = name(mm(o_BTHK.reshape(b, t, -1), w['w_o']), 'attn_proj')
   h_BTD = x_BTD + rms_norm(attn_BTD, p['attention_norm'], cfg.norm_eps)
 
-  gate_BTF = checkpoint_name(mm(h_BTD, w['w_gate']), 'mlp_gate')
-  up_BTF = checkpoint_name(mm(h_BTD, w['w_up']), 'mlp_up')
-  mlp_BTD = mm(jax.nn.silu(gate_BTF) * up_BTF, w['w_down'])
+  gate_BTF = name(mm(h_BTD, w['w_gate']), 'mlp_gate')
+  up_BTF = name(mm(h_BTD, w['w_up']), 'mlp_up')
+  mlp_BTD = name(mm(jax.nn.silu(gate_BTF) * up_BTF, w['w_down']), 'mlp_out')
   return h_BTD + rms_norm(mlp_BTD, p['mlp_norm'], cfg.norm_eps)
 
 
@@ -349,7 +437,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
     """One period of the layer pattern (e.g. 3 sliding + 1 full)."""
     for j, kind in enumerate(cfg.layer_pattern):
       p = {name: value[j] for name, value in group_params.items()}
-      x_BTD = _block(x_BTD, p, window=layer_window(cfg, j), rope=ropes[kind],
+      x_BTD = _block(x_BTD, p, position=j, window=layer_window(cfg, j), rope=ropes[kind],
                      segment_ids_BT=segment_ids_BT, cfg=cfg, ops=ops)
     return constrain_batch(x_BTD), None
 
@@ -360,7 +448,7 @@ def _forward(tokens_BT: jax.Array, segment_ids_BT: jax.Array | None,
     # it XLA merged the two and saved every activation (a 2-layer slice on a TPU v5e
     # compiled to the same memory and time under every policy, with one forward kernel
     # per layer).
-    group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat],
+    group = jax.checkpoint(group, policy=remat_policy(cfg),
                            prevent_cse=not scanned)
   # Scan over groups of one pattern period, so compile time does not grow with depth. A
   # single group ([L, ...] is already one period) is called directly: a one-step scan

@@ -390,9 +390,9 @@ def parser() -> argparse.ArgumentParser:
                  help="vocabulary size of the slice (0: the 7B's); a multiple of 128")
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--sequences', type=int, default=1, help='sequences per step and device')
-  import model  # pylint: disable=import-outside-toplevel
-  p.add_argument('--remat', default='', choices=['', *model.REMAT_POLICIES],
-                 help="the slice's remat policy (default: the 7B config's 'full')")
+  p.add_argument('--remat', default='',
+                 help="the slice's remat policy, a preset or a save list (model.REMAT_SYNTAX; "
+                 "default: the 7B config's 'full')")
   p.add_argument('--fit', action='store_true',
                  help='the fit test: the most sequences the plan fits run, one more fails')
   p.add_argument('--fit_max', type=int, default=8, help='the fit test tries up to this many')

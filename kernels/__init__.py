@@ -29,6 +29,7 @@ import math
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
@@ -52,7 +53,10 @@ xla.quiet_libtpu()
 
 
 class Ops(NamedTuple):
-  """What one block calls: matmul(x, w) and attention(q, k, v, *, window, segment_ids_BT)."""
+  """What one block calls: matmul(x, w) and attention(q, k, v, *, window, segment_ids_BT,
+  names=None). `names`, (output, log-sum-exp), are the checkpoint names a remat policy
+  saves the attention's residuals by: every impl names its output; the Pallas kernel
+  names its log-sum-exp too, which lets a policy skip the forward's recomputation."""
   impl: str
   matmul: Callable[[jax.Array, jax.Array], jax.Array]
   attention: Callable[..., jax.Array]
@@ -118,35 +122,49 @@ def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
     local = context_parallel.xla_local
   head_stride = cfg.context_head_stride
 
-  def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+  def attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
     # (train.validate makes seq_len split; the 1-token init trace runs unsplit.)
     if q_BTHK.shape[1] > 1:
-      return context_parallel.attention(q_BTHK, k_BSGK, v_BSGK, window=window,
-                                        segment_ids_BT=segment_ids_BT, local=local,
-                                        head_stride=head_stride)
-    return ops.attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT)
+      return _name_output(context_parallel.attention(
+          q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT, local=local,
+          head_stride=head_stride), names)
+    return ops.attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT,
+                         names=names)
   return ops._replace(attention=attention)
+
+
+def _name_output(o_BTHK: jax.Array, names: tuple[str, str] | None) -> jax.Array:
+  return o_BTHK if names is None else checkpoint_name(o_BTHK, names[0])
+
+
+def _named(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`attention` with the `names` argument: its output named (it has no log-sum-exp)."""
+  def run(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
+    return _name_output(attention(q_BTHK, k_BSGK, v_BSGK, window=window,
+                                  segment_ids_BT=segment_ids_BT), names)
+  return run
 
 
 def _select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
   impl, _ = resolve(cfg, segments=segments)
   if impl == 'xla':
-    return Ops(impl, xla.matmul, xla.attention)
+    return Ops(impl, xla.matmul, _named(xla.attention))
   if impl == 'pallas':
-    def pallas(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+    def pallas(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
       return flash_attention(q_BTHK, k_BSGK, v_BSGK, window=window,
                              segment_ids_BT=segment_ids_BT, block_q=cfg.attention_block_q,
                              block_kv=cfg.attention_block_kv,
-                             interpret=not pltpu.is_tpu_device())  # CPU tests interpret
+                             interpret=not pltpu.is_tpu_device(),  # CPU tests interpret
+                             residual_names=names)
     return Ops(impl, jnp.matmul, _per_shard(pallas))
   if impl == 'cudnn':
     reason = cudnn_unsupported(cfg, segments)
     if reason:
       raise NotImplementedError(f"attention_impl='cudnn' does not support {reason}; use "
                                 "'auto' (falls back to 'xla') or 'xla'.")
-    return Ops(impl, jnp.matmul, _cudnn)
+    return Ops(impl, jnp.matmul, _named(_cudnn))
   if impl == 'flash_stand_in':
-    return Ops(impl, jnp.matmul, _flash_stand_in)
+    return Ops(impl, jnp.matmul, _named(_flash_stand_in))
   raise ValueError(f'attention_impl={impl!r} is not one of {IMPLS}.')
 
 
@@ -156,10 +174,11 @@ def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   Rows split over the batch axes and heads over 'tensor', as far as they
   divide; outside a mesh (tests, single device) it is `attention` itself.
   """
-  def run(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+  def run(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      return attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT)
+      return attention(q_BTHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=segment_ids_BT,
+                       names=names)
     rows = tuple(a for a in ('data', 'fsdp') if a in mesh.axis_names)
     if q_BTHK.shape[0] % math.prod(mesh.shape[a] for a in rows):
       rows = ()
@@ -167,7 +186,7 @@ def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     heads = 'tensor' if tp > 1 and not (q_BTHK.shape[2] % tp or k_BSGK.shape[2] % tp) else None
     qkv = P(rows or None, None, heads, None)
     seg = P(rows or None, None)
-    fn = lambda q, k, v, s: attention(q, k, v, window=window, segment_ids_BT=s)
+    fn = lambda q, k, v, s: attention(q, k, v, window=window, segment_ids_BT=s, names=names)
     return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, None if segment_ids_BT is None
                                                   else seg),
                          out_specs=qkv, check_vma=False)(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT)

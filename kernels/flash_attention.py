@@ -25,6 +25,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -254,6 +255,7 @@ class _Static:
   vmem_limit_bytes: int | None
   interpret: Any
   fuse_backward: bool  # one backward kernel for dq, dk, dv (flash_kernels.backward_dkv)
+  residual_names: tuple[str, str] | None = None  # checkpoint names of (o, lse)
 
   def kernel_args(self) -> dict[str, Any]:
     return dict(num_heads=self.num_heads,
@@ -284,6 +286,9 @@ def _flash_fwd(q_BTX, k_BNY, v_BNY, segments, plan, st: _Static):
   o_BTX, lse_BHT = flash_kernels.forward(
       q_BTX, k_BNY, v_BNY, None if segments is None else (seg_q[0], seg_k[1]),
       schedule=plan[0], **st.kernel_args())
+  if st.residual_names:  # a remat policy may keep these and skip this kernel's recomputation
+    o_BTX = checkpoint_name(o_BTX, st.residual_names[0])
+    lse_BHT = checkpoint_name(lse_BHT, st.residual_names[1])
   return o_BTX, (q_BTX, k_BNY, v_BNY, segments, plan, o_BTX, lse_BHT)
 
 
@@ -394,7 +399,8 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
                     segment_ids_BT=None, block_q: int | None = None,
                     block_kv: int | None = None, interpret: Any = False,
                     q_offset: int = 0, q_chunk_starts=None, q_chunk_row=0,
-                    fuse_backward: bool | None = None):
+                    fuse_backward: bool | None = None,
+                    residual_names: tuple[str, str] | None = None):
   """Causal (optionally windowed, segmented) GQA attention via Pallas TPU kernels.
 
   Keys sit at positions 0..S-1 of a sequence; each query has a position in
@@ -423,6 +429,9 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
       kernels; None: fused where its [R, T, K] dq buffer fits a third of the
       chip's scoped VMEM (every 7B shape at T = 8,192; not the long-context
       stage's 65,536).
+    residual_names: checkpoint names for the output and the float32
+      log-sum-exp [B, H, T] the backward reads: a remat policy that saves
+      both keeps the forward kernel out of the recomputation.
 
   Only the (q block, kv block) pairs inside the causal/window band of the
   queries' positions are visited, so a query chunk costs what its own band
@@ -457,7 +466,8 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
   st = _Static(num_heads=h, num_kv_heads=g, head_dim=k,
                window=None if window is None else int(window),
                block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit,
-               interpret=interpret, fuse_backward=bool(fuse_backward))
+               interpret=interpret, fuse_backward=bool(fuse_backward),
+               residual_names=None if residual_names is None else tuple(residual_names))
   fwd_VSP, dkv_VSP, visited_VN = _schedule_tables(s_pad, block_q, block_kv, st.window,
                                                   starts_VC, chunk_len)
   pick = lambda x: jnp.asarray(x[0]) if len(x) == 1 else jnp.asarray(x)[q_chunk_row]

@@ -230,7 +230,8 @@ def no_remat():
   return params, tokens, loss, grads
 
 
-@pytest.mark.parametrize('policy', ['full', 'save_dots', 'save_proj'])
+@pytest.mark.parametrize('policy', ['full', 'save_dots', 'save_proj', 'outs,attn',
+                                    'F:qkv,03:gate_up@host,mlp_out'])
 def test_remat_changes_nothing(policy, no_remat):
   params, tokens, ref_loss, ref_grad = no_remat
   cfg = _tiny_cfg(remat=policy)
@@ -239,6 +240,46 @@ def test_remat_changes_nothing(policy, no_remat):
   # to rounding (grads are ~1e-2; observed differences <= 6e-7), not bitwise.
   np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
   chex.assert_trees_all_close(got_grad, ref_grad, rtol=1e-4, atol=2e-6)
+
+
+def test_a_save_list_names_each_layers_activations():
+  cfg = _tiny_cfg(layer_pattern='SSSF', remat='outs, F:qkv@host, 01:mlp_up')
+  got = model.remat_plan(cfg)
+  want_device = {f'block{j}.{n}' for j in range(4) for n in ('attn_proj', 'mlp_out')}
+  want_device |= {'block0.mlp_up', 'block1.mlp_up'}
+  assert set(got['device']) == want_device
+  assert set(got['host']) == {'block3.q_proj', 'block3.k_proj', 'block3.v_proj'}
+  assert model.remat_plan(_tiny_cfg(remat='full')) == {'device': (), 'host': ()}
+  assert model.remat_plan(_tiny_cfg(remat='none')) is None
+  presets = {p: model.remat_plan(_tiny_cfg(remat=p)) for p in ('save_qkv_attn', 'save_proj')}
+  assert {n.split('.')[1] for n in presets['save_qkv_attn']['device']} == {
+      'q_proj', 'k_proj', 'v_proj', 'attn_out', 'attn_lse'}
+  assert {n.split('.')[1] for n in presets['save_proj']['device']} == set(model.ACTIVATIONS)
+
+
+def test_the_backward_keeps_what_the_policy_names(capsys):
+  """jax's own account of the residuals: each named save, on the device or the host."""
+  cfg = _tiny_cfg(num_layers=4, layer_pattern='SSSF', remat='mlp_out,F:qkv,1:attn@host')
+  params = model.init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  jax.ad_checkpoint.print_saved_residuals(lambda p: _remat_loss(p, tokens, cfg), params)
+  lines = capsys.readouterr().out.splitlines()
+  named = {line.split("named '")[1].split("'")[0] for line in lines if "named '" in line}
+  assert named == {f'block{j}.mlp_out' for j in range(4)} | {
+      'block3.q_proj', 'block3.k_proj', 'block3.v_proj'}
+  # The XLA path's attention output of layer 1 ([B, T, H, K]) goes to host memory.
+  assert [line.split()[0] for line in lines if '<host>' in line] == ['f32<host>[1,16,4,8]']
+
+
+@pytest.mark.parametrize('spec, match', [
+    ('qkv@disk', "only be 'host'"), ('X:qkv', 'neither S, F nor positions'),
+    ('4:qkv', 'neither S, F nor positions'), ('mlp', 'names no activation'),
+    ('qkv,F:q_proj@host', 'both kept on the device and offloaded')])
+def test_a_bad_save_list_is_named(spec, match):
+  with pytest.raises(ValueError, match=match):
+    model.validate(_tiny_cfg(layer_pattern='SSSF', remat=spec))
+  with pytest.raises(ValueError, match="has no 'S' layer"):
+    model.validate(_tiny_cfg(layer_pattern='F', num_layers=2, remat='S:qkv'))
 
 
 def test_bad_config_is_named():
