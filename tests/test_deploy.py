@@ -128,7 +128,13 @@ def test_the_manifest_is_one_jobset_of_one_job_per_slice():
   assert job['parallelism'] == job['completions'] and job['completionMode'] == 'Indexed'
   assert job['backoffLimit'] == 0
   assert job['template']['spec']['restartPolicy'] == 'Never'  # podFailurePolicy requires it
-  # JobSet's rule names: ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ (no dashes).
+  # The API server's checks: exit codes sorted, unique, at most 255, no 0 with In; JobSet's
+  # rule names ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ (no dashes).
+  for rule in job['podFailurePolicy']['rules']:
+    values = (rule.get('onExitCodes') or {}).get('values')
+    if values is not None:
+      assert values == sorted(set(values)) and 0 < len(values) <= 255, rule
+      assert 0 not in values or rule['onExitCodes']['operator'] == 'NotIn', rule
   for rule in js['spec']['failurePolicy']['rules']:
     assert re.fullmatch(r'[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?', rule['name']), rule
 
