@@ -156,10 +156,14 @@ def test_a_disrupted_node_remakes_the_pod_uncounted_but_a_mistake_still_fails():
     assert outcome(js, code, ('DisruptionTarget',)) == 'fail'
 
 
-def test_restarts_are_bounded():
-  policy = load_manifest()['spec']['failurePolicy']
+def test_restarts_are_bounded_as_the_doc_says():
+  js = load_manifest()
+  policy, text = js['spec']['failurePolicy'], PODS_DOC.read_text()
   assert 0 < policy['maxRestarts'] <= 100
   assert {r['action'] for r in policy['rules']} <= {'FailJobSet', 'RestartJobSet'}  # counted
+  assert f"`maxRestarts` ({policy['maxRestarts']})" in text
+  grace = slice_job(js)['template']['spec']['template']['spec']['terminationGracePeriodSeconds']
+  assert f"manifest's {grace} s grace period" in text
 
 
 @pytest.mark.parametrize('edit', ['drop_code', 'restart_usage', 'new_code'])
