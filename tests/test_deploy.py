@@ -14,7 +14,8 @@ onJobFailureReasons holds that reason (RestartJobSet when none does).
 
 A command line is checked without running it: absl's app.run is replaced by one that parses
 argv with the entry point's own flags and parser (config file, --config.* overrides,
-one-line mistakes) and prints what it parsed.
+one-line mistakes), validates the config as train.py does before it reads any data
+(config_checks.validate), and prints what it parsed.
 """
 
 import json
@@ -212,6 +213,7 @@ def parse_only(main, argv=None, flags_parser=None):
     out['workdir'] = names['storage'].canonical(f.workdir, '--workdir')
   if 'topology' in f and f.topology:  # a slice libtpu describes (the test extra has it)
     out['devices'] = len(names['tpu_devices'](f.topology))
+  names['config_checks'].validate(f.config)  # the values' rules too; needs no data
   print('PARSED ' + json.dumps(out))
   sys.exit(0)
 
