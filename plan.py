@@ -83,6 +83,11 @@ import train
 BUDGETS_GB = {'TPU v4': 32, 'TPU v5e': 16, 'TPU v5p': 95, 'TPU v6e': 32, 'TPU7x': 96,
               'H100': 80, 'H200': 141}
 GB = 1e9
+# Host RAM per TPU chip (decimal GB), from the TPU VM machine types GKE and Cloud TPU
+# list: v4 ct4p-hightpu-4t 407 GB for 4 chips, v5e ct5lp-hightpu-4t 192 GB for 4
+# (1t: 48 for 1, 8t: 384 for 8), v5p ct5p-hightpu-4t 448 GB for 4, v6e ct6e-standard-4t
+# 720 GB for 4. A remat policy's host offload is held against it (TPU7x: not listed).
+HOST_GB_PER_CHIP = {'TPU v4': 407 / 4, 'TPU v5e': 48, 'TPU v5p': 112, 'TPU v6e': 180}
 
 # --topology generations: libtpu's name -> (chip config, the chip in kernels' block
 # table, BUDGETS_GB entry). v4 and v5p run 'megacore': one jax device per chip.
@@ -109,6 +114,8 @@ class Compiled:
   seconds: float
   out_of_memory: str = ''  # the TPU compiler's refusal, when the step does not fit its HBM
   kernels: tuple[str, ...] = ()  # Pallas kernels in the step compiled for TPU devices
+  host_temp: int = 0  # host memory of activations a remat policy offloads, per device
+  flops: float = 0.0  # XLA's count for the compiled step per device (recomputation included)
 
 
 @dataclasses.dataclass
@@ -132,6 +139,13 @@ class Plan:
   warning: str = ''
   compiler: str = 'cpu'  # 'cpu' (simulated devices) or 'tpu' (libtpu, a named topology)
   topology: str = ''
+  host_bytes: int = 0  # offloaded activations per device (the remat policy's '@host' items)
+  devices_per_host: int = 1
+
+  @property
+  def host_need_bytes(self) -> int:
+    """Per host: the offloaded activations, and the state's host copy a checkpoint stages."""
+    return self.devices_per_host * (self.host_bytes + self.params_bytes + self.opt_state_bytes)
 
   @property
   def out_of_memory(self) -> str:
@@ -174,7 +188,8 @@ def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled
     # it out of the persistent compilation cache (which would warn on every later read).
     # jax decides once per process, at its first compile: plan.py's is this one.
     jax.config.update('jax_enable_compilation_cache', cache and not on_tpu)
-    memory = lowered.compile().memory_analysis()
+    compiled = lowered.compile()
+    memory = compiled.memory_analysis()
   except jax.errors.JaxRuntimeError as e:
     if not (on_tpu and 'RESOURCE_EXHAUSTED' in str(e)):
       raise
@@ -186,7 +201,9 @@ def compile_step(cfg: ml_collections.ConfigDict, devices: list[Any]) -> Compiled
     jax.config.update('jax_enable_compilation_cache', cache)
   return Compiled(len(devices), dict(mesh.shape), accum, memory.argument_size_in_bytes,
                   memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                  memory.temp_size_in_bytes, time.perf_counter() - start, '', found)
+                  memory.temp_size_in_bytes, time.perf_counter() - start, '', found,
+                  memory.host_temp_size_in_bytes,
+                  float((compiled.cost_analysis() or {}).get('flops', 0.0)))
 
 
 def _pallas_kernels(hlo_text: str) -> tuple[str, ...]:
@@ -213,6 +230,12 @@ def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
   if min(shape) < 1:
     raise ValueError(f'--topology={name!r} has an empty dimension.')
   return gen, shape
+
+
+def devices_per_host(name: str) -> int:
+  """Jax devices on one host of slice `name`: hosts hold 2x2 chips (one of a 1x1 slice)."""
+  gen, shape = parse_topology(name)
+  return int(np.prod([min(d, 2) for d in shape[:2]])) * (2 if gen == 'tpu7x' else 1)
 
 
 def tpu_devices(name: str) -> list[Any]:
@@ -342,7 +365,22 @@ def tpu_plan(cfg: ml_collections.ConfigDict, topology: str) -> Plan:
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   return Plan(model.param_count(cfg.model), flops_token, flops_token * tokens, len(devices),
               shape, params_bytes, opt_bytes, batch, c.temp, peak, False,
-              [c], 'tpu', f'{impl} ({why})', c.kernels, compiler='tpu', topology=topology)
+              [c], 'tpu', f'{impl} ({why})', c.kernels, compiler='tpu', topology=topology,
+              host_bytes=c.host_temp, devices_per_host=devices_per_host(topology))
+
+
+def host_budget_gb(p: Plan) -> float | None:
+  """RAM of one host of the plan's TPU slice (None: not a named slice, or not listed)."""
+  if not p.topology:
+    return None
+  per_chip = HOST_GB_PER_CHIP.get(TPU_GENERATIONS[parse_topology(p.topology)[0]][2])
+  chips = p.devices_per_host // (2 if p.topology.startswith('tpu7x') else 1)
+  return None if per_chip is None else per_chip * chips
+
+
+def fits_host(p: Plan) -> bool:
+  budget = host_budget_gb(p)
+  return budget is None or p.host_need_bytes <= budget * GB
 
 
 def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
@@ -440,6 +478,14 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
           '' if p.compiler != 'tpu' else ' at least (the state + what libtpu asked for)'
           if p.out_of_memory else ' (arguments + unaliased outputs + temp, from libtpu)'),
   ]
+  if p.compiler == 'tpu':
+    budget = host_budget_gb(p)
+    verdict = ('no RAM figure for this chip' if budget is None else
+               f"the host has {budget:.0f} GB: {'fits' if fits_host(p) else 'DOES NOT FIT'}")
+    lines.append(
+        f'  host       {p.host_need_bytes / GB:8.2f} GB/host ({p.devices_per_host} devices: '
+        f'offloaded activations {p.host_bytes / GB:.3f} + the state\'s checkpoint copy '
+        f'{(p.params_bytes + p.opt_state_bytes) / GB:.2f} GB/device); {verdict}')
   lines.append(f'attention   {p.platform}: {p.attention}')
   if p.compiler == 'cpu' and p.attention.split()[0] in ('pallas', 'cudnn'):
     lines.append('  the CPU compile used an O(T)-memory stand-in for that kernel '
@@ -453,6 +499,47 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
     verdict = 'fits' if p.fits(budget) else 'does NOT fit'
     lines.append(f'  {name:8s} {budget:4d} GB: {verdict} ({p.peak_bytes / GB / budget:.0%} used)')
   return '\n'.join(lines)
+
+
+# `--policies=candidates`: remat policies from full to none, ordered by what they keep.
+# Per layer of the 7B at 8,192 tokens, each projection and the attention output is 64 MB,
+# gate and up 180 MB each; mlp_out and attn spare the most recomputation per byte (the
+# w_down matmul; the attention forward kernel), the projections about a third of that.
+REMAT_CANDIDATES = ('full', 'save_attn', 'mlp_out', 'save_outs', 'mlp_out,attn', 'outs,attn',
+                    'outs,attn@host', 'mlp_out,attn,qkv@host', 'outs,attn,F:qkv',
+                    'outs,attn,qkv@host', 'save_qkv', 'save_qkv_attn', 'none')
+
+
+def sweep(cfg: ml_collections.ConfigDict, topology: str, policies: list[str],
+          budget_gb: float) -> list[tuple[str, Plan]]:
+  """Plans `cfg` under each remat policy for `topology` with libtpu; prints one row each.
+
+  A policy fits when libtpu compiles it within `budget_gb` per device and its host
+  memory (offloaded activations and the checkpoint's copy of the state) fits the host.
+  """
+  print(f"{'remat policy':28s} {'device GB':>10s} {'host GB/host':>13s} "
+        f"{'XLA TFLOP/dev':>14s}  fits {budget_gb:g} GB + host", flush=True)
+  plans = []
+  for policy in policies:
+    one = cfg.copy_and_resolve_references()
+    one.model.remat = policy
+    p = tpu_plan(one, topology)
+    c = p.compiles[0]
+    fits = not p.out_of_memory and p.fits(budget_gb) and fits_host(p)
+    device = f"{'>' if p.out_of_memory else ''}{p.peak_bytes / GB:.2f}"
+    print(f'{policy:28s} {device:>10s} {p.host_need_bytes / GB:13.2f} '
+          f"{c.flops / 1e12 if c.flops else float('nan'):14.2f}  {'yes' if fits else 'no'}",
+          flush=True)
+    plans.append((policy, p))
+  fitting = [(c.flops, policy) for policy, p in plans for c in p.compiles
+             if not p.out_of_memory and p.fits(budget_gb) and fits_host(p) and c.flops]
+  if fitting:
+    print(f'least recomputation that fits: --config.model.remat={min(fitting)[1]!r} '
+          '(the fewest XLA flops; a policy with host offload also pays its transfers: time '
+          'the candidates on a chip with bench/device_check.py --policies)', flush=True)
+  else:
+    print(f'no policy fits {budget_gb:g} GB per device on {topology}', flush=True)
+  return plans
 
 
 def report(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
@@ -477,6 +564,8 @@ def main(argv: list[str]) -> None:
     errors.report('--devices must be >= 1 and --target_devices >= 0.', errors.EXIT_USAGE)
   with errors.one_line(also=(ValueError,)):  # the config and mesh checks: one line, exit 2
     cfg = FLAGS.config
+    if FLAGS.policies:
+      return _sweep(cfg)
     if FLAGS.topology and _plan_topology(cfg):
       return
     devices = FLAGS.devices or default_devices(cfg)
@@ -494,6 +583,29 @@ def main(argv: list[str]) -> None:
            devices=jax.devices()[:devices])
 
 
+def _sweep(cfg: ml_collections.ConfigDict) -> None:
+  """--policies: each remat policy planned by libtpu for --topology, one row each."""
+  if not FLAGS.topology or not libtpu_version():
+    raise ValueError("--policies plans with the TPU's compiler: name a slice with "
+                     "--topology=v5e:16x16 and install libtpu (pip install 'libtpu==0.0.42.*').")
+  if FLAGS.devices is not None or FLAGS.target_devices or FLAGS.platform not in (None, 'tpu'):
+    raise ValueError('--policies with --topology names the devices and the platform; drop '
+                     '--devices, --target_devices and --platform.')
+  policies = (list(REMAT_CANDIDATES) if FLAGS.policies == 'candidates'
+              else [x.strip() for x in FLAGS.policies.split(';') if x.strip()])
+  cfg = config_checks.complete(cfg)  # once: the data's description fills in the same fields
+  for policy in policies:  # every mistake before the first compile (minutes each)
+    one = cfg.copy_and_resolve_references()
+    one.model.remat = policy
+    config_checks.validate(config_checks.complete(one))
+  gen, _ = parse_topology(FLAGS.topology)
+  budget = FLAGS.budget_gb or BUDGETS_GB[TPU_GENERATIONS[gen][2]]
+  print(f'planning {len(policies)} remat policies for {FLAGS.topology} with the TPU compiler '
+        f'(libtpu {libtpu_version()})', flush=True)
+  jax.config.update('jax_platforms', 'cpu')  # libtpu compiles; no TPU is opened
+  sweep(cfg, FLAGS.topology, policies, budget)
+
+
 def _plan_topology(cfg: ml_collections.ConfigDict) -> bool:
   """--topology: plans with libtpu (True), or sets the CPU fallback's flags (False)."""
   gen, _ = parse_topology(FLAGS.topology)
@@ -507,7 +619,12 @@ def _plan_topology(cfg: ml_collections.ConfigDict) -> bool:
   if version:
     print(f'planning for {FLAGS.topology} with the TPU compiler (libtpu {version})', flush=True)
     jax.config.update('jax_platforms', 'cpu')  # libtpu compiles; no TPU is opened
-    report(cfg, topology=FLAGS.topology)
+    p = report(cfg, topology=FLAGS.topology)
+    if not fits_host(p):
+      errors.report(f'remat={cfg.model.remat!r} offloads more than the host holds '
+                    f'({p.host_need_bytes / GB:.1f} GB per host against '
+                    f'{host_budget_gb(p):.0f} GB): offload less (fewer @host items) or keep '
+                    'more on the device.', errors.EXIT_USAGE)
     return True
   print(f'libtpu is not installed: planning {FLAGS.topology} from a CPU compile on simulated '
         "devices (pip install 'libtpu==0.0.42.*' for the TPU compiler)", flush=True)
@@ -537,6 +654,11 @@ if __name__ == '__main__':
                       'v6e:8x8, v4:2x2x2, tpu7x:2x2x1): the step is compiled for its devices by '
                       'the TPU compiler where libtpu is installed, else planned by the CPU '
                       'compile, extrapolated to its device count.')
+  flags.DEFINE_string('policies', '', "With --topology: plan each of these remat policies, "
+                      "';'-separated (presets or save lists: model.REMAT_SYNTAX), or "
+                      "'candidates' (plan.REMAT_CANDIDATES), one row each.")
+  flags.DEFINE_float('budget_gb', 0.0, "--policies' per-device budget in GB (default: the "
+                     "chip's HBM in BUDGETS_GB)")
   FLAGS = flags.FLAGS
   app.run(main, flags_parser=config_checks.parser_requiring_config(  # mistakes in one line
       'the training config to plan, e.g. --config=configs/olmo3_7b.py (with any '

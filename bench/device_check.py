@@ -122,6 +122,8 @@ def check_step(cfg, args) -> dict:
   state, out = compiled(state, batch)
   jax.block_until_ready(out)
   compile_s = time.perf_counter() - start
+  state, out = compiled(state, batch)  # a second untimed step: the timed ones are steady
+  jax.block_until_ready(out)
   times = []
   # --profile: a jax.profiler trace of the timed steps (TensorBoard's profile plugin or
   # xprof read it: matmuls, the kernels, the loss, the update, idle time).
@@ -146,10 +148,73 @@ def check_step(cfg, args) -> dict:
           'loss': float(out['train/CE loss']),
           'measured peak (GB)': stats.get('peak_bytes_in_use', 0) / 1e9 or None,
           'bytes limit (GB)': stats.get('bytes_limit', 0) / 1e9 or None,
+          'XLA flops': float((compiled.cost_analysis() or {}).get('flops', 0.0)),
+          'host temp (GB)': memory.host_temp_size_in_bytes / 1e9,
           # What the device's own compile of this step allocates, as plan.py counts it.
           'compiled peak (GB)': (memory.argument_size_in_bytes + memory.output_size_in_bytes
                                  - memory.alias_size_in_bytes
                                  + memory.temp_size_in_bytes) / 1e9}
+
+
+def update_seconds(cfg, steps: int) -> float:
+  """The optimizer update alone on the slice's state (train_step's last lines), median s."""
+  import optim  # pylint: disable=import-outside-toplevel
+  import sharding  # pylint: disable=import-outside-toplevel
+  import train  # pylint: disable=import-outside-toplevel
+  tx = optim.make_optimizer(cfg.opt)
+  mesh = sharding.make_mesh(cfg.train, jax.devices()[:1])
+  state, shardings = train.create_state(cfg, tx, mesh, jax.random.key(0))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-4), state.params)
+
+  def update(state, grads):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=jnp.float32(3.0))
+    return train.TrainState(optim.apply_updates(state.params, updates, opt_state), opt_state)
+  run = jax.jit(update, donate_argnums=0, out_shardings=shardings)
+  times = []
+  for i in range(steps + 2):  # two untimed
+    start = time.perf_counter()
+    state = jax.block_until_ready(run(state, grads))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times[2:]))
+
+
+def _policies(args) -> list[str]:
+  import plan  # pylint: disable=import-outside-toplevel
+  if args.policies == 'candidates':
+    return list(plan.REMAT_CANDIDATES)
+  return [x.strip() for x in args.policies.split(';') if x.strip()]
+
+
+def check_policies(args, pod_devices: int = 256) -> dict:
+  """--policies: the slice's step under each remat policy, one after another, in this process.
+
+  Beside each step's MFU, a pod-equivalent one: the step less (1 - 1/pod_devices) of the
+  optimizer update's time (measured alone here), since a pod's FSDP shards the update
+  over every device and each pays 1/pod_devices of the slice's whole-state update.
+  """
+  policies = _policies(args)
+  policies = [p for p in ('full', 'none') if p not in policies] + policies
+  update = update_seconds(slice_config(args), args.steps)
+  print(f'optimizer update alone: {update * 1e3:.1f} ms', flush=True)
+  rows = {}
+  for policy in policies:
+    args.remat = policy
+    try:
+      s = check_step(slice_config(args), args)
+    except Exception as e:  # pylint: disable=broad-except
+      if 'RESOURCE_EXHAUSTED' not in str(e) and 'out of memory' not in str(e).lower():
+        raise
+      rows[policy] = {'out of memory': str(e).splitlines()[0][:300]}
+      print(f'{policy:28s} out of memory', flush=True)
+      continue
+    pod_step = s['step (s)'] - update * (1 - 1 / pod_devices)
+    s['pod-equivalent MFU'] = s['MFU'] * s['step (s)'] / pod_step if s['MFU'] else None
+    rows[policy] = s
+    print(f"{policy:28s} {s['step (s)'] * 1e3:7.1f} ms  MFU {_mfu(s)}  pod-equivalent "
+          f"{None if s['MFU'] is None else round(s['pod-equivalent MFU'], 3)}  XLA "
+          f"{s['XLA flops'] / 1e12:.2f} TFLOP  device {s['compiled peak (GB)']:.2f} GB  host "
+          f"{s['host temp (GB)']:.2f} GB", flush=True)
+  return {'optimizer update (s)': update, 'pod devices': pod_devices, 'policies': rows}
 
 
 def check_attention(cfg) -> dict:
@@ -393,6 +458,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--remat', default='',
                  help="the slice's remat policy, a preset or a save list (model.REMAT_SYNTAX; "
                  "default: the 7B config's 'full')")
+  p.add_argument('--policies', default='',
+                 help="the step under each of these remat policies, ';'-separated, or "
+                 "'candidates' (plan.REMAT_CANDIDATES), with 'full' and 'none', in one run "
+                 '(no other check runs)')
   p.add_argument('--fit', action='store_true',
                  help='the fit test: the most sequences the plan fits run, one more fails')
   p.add_argument('--fit_max', type=int, default=8, help='the fit test tries up to this many')
@@ -418,10 +487,21 @@ def main() -> None:
       or args.vocab < 0 or args.vocab % 128):
     p.error('--layers, --steps, --sequences and --fit_max must be at least 1, --vocab 0 or a '
             'multiple of 128')
+  for policy in [args.remat] + _policies(args):  # a mistake in one line, before device work
+    try:
+      slice_config(argparse.Namespace(**{**vars(args), 'remat': policy}))
+    except ValueError as e:
+      p.error(str(e))
   for hidden, run in (('child', child), ('predict', predict), ('predict_fit', predict_fit),
                       ('step_child', step_child)):
     if getattr(args, hidden):
       return run(args)
+  if args.policies:
+    result = {'policies': check_policies(args)}
+    if args.out:
+      with open(args.out, 'w') as f:
+        json.dump(result, f, indent=1)
+    return None
   began = time.perf_counter()
   result = {'tiny': args.tiny, 'layers': args.layers, 'vocab': args.vocab,
             'head_dim': 256 if args.hd256 else 128}

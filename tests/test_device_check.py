@@ -49,3 +49,30 @@ def test_plan_pods_builds_the_chips_slice_from_device_checks_defaults():
   assert (m.num_layers, m.layer_pattern, m.vocab_size, m.d_model, m.num_heads) == (
       2, 'SF', 8192, 4096, 32)
   assert m.remat == 'full' and cfg.data.global_batch_size == 1 and cfg.data.seq_len == 8192
+
+
+def test_the_policy_sweep_times_each_policy_with_full_and_none(tmp_path):
+  """--policies in miniature: every policy's step, beside full and none, and the flops
+  XLA counts for it: recomputation adds flops, a save list removes some of them."""
+  out = tmp_path / 'sweep.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--tiny',
+                         '--steps=1', '--policies=mlp_out,attn;outs@host', f'--out={out}'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  r = json.loads(out.read_text())['policies']
+  rows = r['policies']
+  assert list(rows) == ['full', 'none', 'mlp_out,attn', 'outs@host']
+  assert r['optimizer update (s)'] > 0
+  flops = {p: rows[p]['XLA flops'] for p in rows}
+  assert flops['none'] < flops['mlp_out,attn'] < flops['full'], flops
+  for row in rows.values():
+    assert row['step (s)'] > 0 and row['pod-equivalent MFU'] > row['MFU'] > 0
+
+
+def test_a_bad_policy_is_one_line():
+  proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--tiny',
+                         '--remat=qkv@disk'], cwd=REPO, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 2 and "the place after '@' can only be 'host'" in proc.stderr
+  assert 'Traceback' not in proc.stderr
