@@ -328,9 +328,9 @@ def vs_orbax(args) -> dict:
       jax.tree.map(lambda x: x.delete(), restored)
       del restored
     saver.close()
-  for res in results.values():
+  for res in results.values():  # --rounds=0: saves alone and restores only
     for key in ('lost_s', 'blocked_s', 'durable_in_window_s'):
-      res[key + '_median'] = float(np.median(res[key]))
+      res[key + '_median'] = float(np.median(res[key])) if res[key] else float('nan')
   ours, orbax = results['ours'], results['orbax']
   return {'device': jax.devices()[0].device_kind, 'state_gb': round(gb, 3),
           'step_s': step_s, 'compile_s': compile_s, 'window_steps': args.window,
