@@ -274,3 +274,54 @@ def test_full_remat_recomputes_the_forward_also_unscanned(groups):
       compiled = jax.jit(jax.grad(loss)).lower(params).compile()
     flops[policy] = compiled.cost_analysis()['flops']
   assert flops['full'] > 1.2 * flops['none'], flops
+
+
+def _remat_compile(policy: str, mesh: Mesh) -> tuple[float, int, int, int]:
+  """(XLA flops, temp bytes, host temp bytes, forward kernels) of a 2-group bf16 model's
+  gradient under `policy`, compiled by libtpu with the Pallas kernel."""
+  replicated = NamedSharding(mesh, P())
+  cfg = config_checks.complete(small.get_config()).model
+  cfg.update(vocab_size=512, d_model=256, num_heads=2, num_kv_heads=2, head_dim=128,
+             mlp_hidden=768, num_layers=4, layer_pattern='SF', sliding_window=256,
+             remat=policy, attention_impl='pallas', dtype='bfloat16')
+  model.validate(cfg)
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                        shapes)
+  tokens = jnp.zeros((1, 1024), jnp.int32)
+  loss = lambda p: jnp.mean(model.logits(p, tokens, cfg).astype(jnp.float32) ** 2)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+  memory = compiled.memory_analysis()
+  forward_kernels = sum('custom-call(' in line and 'flash_attention_fwd' in line
+                        for line in compiled.as_text().splitlines())
+  return (compiled.cost_analysis()['flops'], memory.temp_size_in_bytes,
+          memory.host_temp_size_in_bytes, forward_kernels)
+
+
+@pytest.fixture(scope='module')
+def remat_bounds():
+  mesh = Mesh(plan.tpu_devices('v5e:1x1')[:1], ('x',))
+  return mesh, {policy: _remat_compile(policy, mesh) for policy in ('none', 'full')}
+
+
+@pytest.mark.slow  # a libtpu compile with the Pallas kernels per policy: ~15-40 s each
+@pytest.mark.parametrize('policy, spared', [
+    ('save_attn', 'the attention forward kernel'), ('save_outs', 'w_o and w_down'),
+    ('save_qkv', 'the q, k and v projections'), ('outs,attn@host', 'w_o, w_down, attention')])
+def test_each_named_policy_saves_what_it_names(remat_bounds, policy, spared):
+  """Between full and none: fewer flops than full (what it keeps is not recomputed) and
+  less memory than none; an offloaded activation lives in host memory."""
+  mesh, bounds = remat_bounds
+  flops, temp, host, forward = _remat_compile(policy, mesh)
+  (none_flops, none_temp, _, none_forward), (full_flops, _, _, full_forward) = (
+      bounds['none'], bounds['full'])
+  assert none_flops < flops < full_flops, (spared, flops, none_flops, full_flops)
+  assert temp < none_temp
+  # Two layers: the forward kernel runs twice, and twice more where it is recomputed.
+  assert (none_forward, full_forward) == (2, 4)
+  assert forward == (2 if 'attn' in policy else 4)
+  assert (host > 0) == ('@host' in policy)
+  if policy == 'save_qkv':  # the q, k and v matmuls of the group's 2 layers
+    d, t = 256, 1024  # (XLA counts a scan's body once, whatever its trip count)
+    assert full_flops - flops == pytest.approx(2 * (2 * t * d * 3 * d), rel=0.02)
