@@ -401,7 +401,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
     preempt.close()
     profile.close()  # a trace cut short by the end of the loop is still saved
     loader.close()
-    account.write(step, writer)  # the process's last account
+    account.write(step, writer, at_exit=True)  # the process's last account
     writer.close()
     tracker.close(exit_code)  # after the writer's last record; waits a bounded time
   return state, last

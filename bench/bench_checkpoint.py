@@ -257,6 +257,8 @@ def vs_orbax(args) -> dict:
   memory = compiled.memory_analysis()
   plan_peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                + memory.temp_size_in_bytes - memory.alias_size_in_bytes) if memory else None
+  if memory:  # as train.py's compile_ahead does: the copy leaves the step its temporaries
+    offload.reserve(memory.temp_size_in_bytes)
 
   def steps(state, n):
     for _ in range(n):

@@ -120,8 +120,9 @@ def analyse(recs: dict[int, dict], raw: list[dict], first: int, last: int, every
                     'copied_on_device_gb': r.get('goodput/checkpoint copied on device (GB)'),
                     'window_extra_s': sec - (b - a) * step_s, 'eval_s': ev,
                     'cost_s': sec - (b - a) * step_s - ev})
-  durable = {int(r['goodput/checkpoint durable step']): r['goodput/checkpoint durable (s)']
-             for r in raw if 'goodput/checkpoint durable step' in r}
+  durable = {int(r[f'{key} step']): r[f'{key} (s)'] for r in raw
+             for key in ('goodput/checkpoint durable', 'goodput/checkpoint durable at exit')
+             if f'{key} step' in r}
   for s in saves:
     s['durable_s'] = durable.get(s['step'])
   return {'step_s': step_s, 'tokens_per_step': tokens_per_step,

@@ -45,6 +45,7 @@ from typing import Any, Callable
 from absl import logging
 import jax
 
+from store import offload
 from store import storage
 
 FOLDER = 'goodput'
@@ -111,6 +112,7 @@ class Account:
     self.stage_since = self.since
     self.saver: Any = None  # a Checkpointer whose saves' costs `record` writes (`watch`)
     self.costs_written: set[tuple[int, str]] = set()
+    self.cost_keys: dict[int, set[str]] = {}  # the cost keys written at the latest step
     self.exit_code: int | None = None
     if then:
       self.switch(then)
@@ -226,22 +228,30 @@ class Account:
     self.saver = saver
     return saver
 
-  def costs(self, step: int, writer: Any) -> None:
+  def costs(self, step: int, writer: Any, at_exit: bool = False) -> None:
     """The watched saver's recent saves, at `step`, each figure once: how long save()
     held the loop and what it copied on device, then (at the first call after its commit)
-    the time from save() to the commit, with the step saved."""
+    the time from save() to the commit, with the step saved. One record per key and step:
+    a save whose figures would repeat a key already written at `step` waits for the next
+    call. At the process's end (`at_exit`) the time to commit is the one the exit waited
+    for, under its own key (the save before it was just logged at this step)."""
+    durable = 'goodput/checkpoint durable at exit' if at_exit else 'goodput/checkpoint durable'
     for save in getattr(self.saver, 'recent_saves', []):
       out = {}
       if 'blocking_s' in save and (save['step'], 'blocked') not in self.costs_written:
-        self.costs_written.add((save['step'], 'blocked'))
-        out |= {'goodput/checkpoint save blocked (s)': save['blocking_s'],
-                'goodput/checkpoint copied on device (GB)': save['device_copy_bytes'] / 1e9}
+        out[(save['step'], 'blocked')] = {
+            'goodput/checkpoint save blocked (s)': save['blocking_s'],
+            'goodput/checkpoint copied on device (GB)': save['device_copy_bytes'] / 1e9}
       if 'durable_s' in save and (save['step'], 'durable') not in self.costs_written:
-        self.costs_written.add((save['step'], 'durable'))
-        out |= {'goodput/checkpoint durable (s)': save['durable_s'],
-                'goodput/checkpoint durable step': float(save['step'])}
-      if out:
-        writer.write(step, out)
+        out[(save['step'], 'durable')] = {f'{durable} (s)': save['durable_s'],
+                                          f'{durable} step': float(save['step'])}
+      for done, values in out.items():
+        logged = self.cost_keys.setdefault(step, set())
+        if not logged & values.keys():
+          logged.update(values)
+          self.costs_written.add(done)
+          writer.write(step, values)
+    self.cost_keys = {step: self.cost_keys.get(step, set())}  # only this step's can repeat
 
   def record(self, step: int | None = None, save: bool = False, writer: Any = None) -> None:
     """Writes this process's record (process 0), marking the progress through `step`;
@@ -289,10 +299,10 @@ class Account:
     if not final:
       self.write(step, writer)
 
-  def write(self, step: int, writer: Any) -> None:
+  def write(self, step: int, writer: Any, at_exit: bool = False) -> None:
     """The run's `goodput/` metrics (the account so far) at `step` (writer: MetricWriter),
-    and the watched saver's costs not yet logged."""
-    self.costs(step, writer)
+    and the watched saver's costs not yet logged (`at_exit`: the process's last record)."""
+    self.costs(step, writer, at_exit)
     writer.write(step, metrics(self.summary()))
 
   def first_step_done(self, step: int, step_metrics: Any, writer: Any) -> None:
@@ -449,7 +459,8 @@ def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lam
   """`step` (a jitted function), traced, lowered and compiled for `abstract_args` on a
   thread while the caller goes on (train.py: the restore, the loader, the evaluators);
   returns a callable that waits for that compile at its first call, calls `then` (train.py:
-  the processes meet there, host_sync.barrier) and then calls `step`.
+  the processes meet there, host_sync.barrier) and then calls `step`. The compiled plan's
+  temporaries are reserved beside a checkpoint's on-device copy (store/offload.py).
 
   jit keeps what an ahead-of-time compile made: the first call of `step` with values
   of those shapes and shardings runs at once. A compile that fails here is left to
@@ -459,9 +470,11 @@ def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lam
   """
   def compile_it():
     try:
-      step.trace(*abstract_args).lower().compile()
+      memory = step.trace(*abstract_args).lower().compile().memory_analysis()
     except Exception:  # pylint: disable=broad-except
-      pass  # the first call meets it
+      return  # the first call meets it
+    if memory is not None:  # the room a save's on-device copy must leave it
+      offload.reserve(memory.temp_size_in_bytes)
   thread = threading.Thread(target=compile_it, name='compile ahead', daemon=True)
   thread.start()
   atexit.register(thread.join)

@@ -8,8 +8,9 @@ waits for the transfer: 5.66 GB at ~1.9 GB/s is ~3 s on a TPU v5e, against a
 save's thread then moves the copy to host (`to_host`) while the steps run,
 and frees it. The copy needs HBM room for the arrays copied, on every device
 at once: `room` reads each device's allocator (its limit less its peak so
-far, which includes the train step's own peak once a step has run; an
-earlier copy's share of that peak is taken out), and `take` copies only the
+far, an earlier copy's share of that peak taken out, less the temporaries
+the train step's compiled plan needs, which a TPU's peak counter does not
+show), and `take` copies only the
 arrays that fit (largest first); the rest are copied to host before it
 returns, as every save did before (`Taken.blocking_bytes` and `why` say how
 much, and why, for the log).
@@ -19,7 +20,7 @@ buffer, which PJRT keeps alive through donation, so `take` copies nothing
 there unless asked to (`device_copy=True`, which the tests use to run this
 path on CPU).
 
-Reading order: room, plan, take, to_host. Shapes: none (any pytree leaves).
+Reading order: reserve, room, plan, take, to_host. Shapes: none (any pytree leaves).
 """
 
 import dataclasses
@@ -65,6 +66,19 @@ def _device_bytes(leaf: Any) -> dict[Any, int]:
 # no room left for the same copy the first one made.
 _LOOP_PEAK: dict[Any, int] = {}
 _PEAK_AFTER_COPY: dict[Any, int] = {}
+# Per device, the most temporary memory a program of the loop's needs while it runs. The
+# TPU runtime's peak counter does not show it (it reads barely above the arguments,
+# whatever the step: docs/results/tpu_v5e.md), so the programs' own plans are added.
+_RESERVED = {'bytes': 0}
+
+
+def reserve(nbytes: int, replace: bool = False) -> int:
+  """A program of the loop needs `nbytes` of temporaries per device while it runs (its
+  compiled memory_analysis(); goodput.compile_ahead reports the train step's): the
+  largest such is kept (`replace`: set as given). Returns what was reserved before."""
+  before = _RESERVED['bytes']
+  _RESERVED['bytes'] = int(nbytes) if replace else max(before, int(nbytes))
+  return before
 
 
 def _peak(stats: dict[str, int]) -> int:
@@ -73,8 +87,9 @@ def _peak(stats: dict[str, int]) -> int:
 
 def room(devices: list[Any]) -> dict[Any, int] | None:
   """Free bytes per device for a copy beside the train step: the limit (less MARGIN) less
-  the peak of what the loop itself allocated (its steps, evaluations) so far; None
-  where the platform reports no allocator (CPU)."""
+  the peak of what the loop itself allocated (its steps, evaluations) so far, less the
+  temporaries its programs' plans need (`reserve`); None where the platform reports no
+  allocator (CPU)."""
   out = {}
   for d in devices:
     stats = d.memory_stats()
@@ -83,7 +98,7 @@ def room(devices: list[Any]) -> dict[Any, int] | None:
     peak = _peak(stats)
     if peak > _PEAK_AFTER_COPY.get(d, -1):  # reached with no copy of ours alive: the loop's
       _LOOP_PEAK[d] = max(_LOOP_PEAK.get(d, 0), peak)
-    used = max(_LOOP_PEAK[d], stats.get('bytes_in_use', 0))
+    used = max(_LOOP_PEAK[d], stats.get('bytes_in_use', 0)) + _RESERVED['bytes']
     out[d] = max(0, int(stats['bytes_limit'] * (1 - MARGIN)) - used)
   return out
 
@@ -189,13 +204,16 @@ def take(names: list[str], leaves: list[Any], process_index: int, chunk_bytes: i
 
 def to_host(taken: Taken, process_index: int, chunk_bytes: int
             ) -> list[chunk_store.Snapshot]:
-  """The save's thread: every leaf as a host Snapshot; the device copies are freed."""
+  """The save's thread: every leaf as a host Snapshot; the device copies are freed.
+
+  One array at a time, each freed once on host: the loop's own small transfers (a
+  step's metrics, read at log steps) then wait behind one array's transfer at most,
+  not behind the whole state's (seconds), and the HBM goes back as the copy drains."""
   idx = [i for i, c in enumerate(taken.copied) if c]
-  moved = chunk_store.snapshot([taken.names[i] for i in idx], [taken.leaves[i] for i in idx],
-                               process_index, chunk_bytes)
   out = list(taken.leaves)
-  for i, snap in zip(idx, moved):
-    out[i] = snap
+  for i in idx:
+    out[i], = chunk_store.snapshot([taken.names[i]], [taken.leaves[i]], process_index,
+                                   chunk_bytes)
     taken.leaves[i].delete()  # its bytes are on host now; the HBM goes back at once
   if idx:
     _copies_freed(taken.per_device, taken.peak_before)

@@ -395,6 +395,7 @@ def test_the_spine_stays_short_and_the_phases_it_hands_to_the_account_are_timed(
   # Each save's costs, once each: what save() held the loop, then the time to its commit.
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   blocked = [r['step'] for r in records if 'goodput/checkpoint save blocked (s)' in r]
-  durable = [r['goodput/checkpoint durable step'] for r in records
-             if 'goodput/checkpoint durable step' in r]
+  durable = [r[k] for r in records for k in ('goodput/checkpoint durable step',
+                                              'goodput/checkpoint durable at exit step') if k in r]
   assert blocked == [2, 4] and durable == [2, 4], (blocked, durable)
+  assert 'goodput/checkpoint durable at exit (s)' in logged[4]  # what the exit waited for
