@@ -276,21 +276,19 @@ def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scale: float
 def apply_rope(x_BTHK: jax.Array, cos_BTk: jax.Array, sin_BTk: jax.Array) -> jax.Array:
   """Half-split ("rotate_half") RoPE computed in float32, cast back.
 
-  HF's x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as a
-  product with a signed permutation matrix: exact (each output is one input times +-1,
-  accumulated in float32), and every pass stays in [B, T, H, K], the layout of the
-  projections and the kernel. Splitting the halves instead (slices, or a
-  [.., 2, K/2] view) made the TPU relayout q and k around each elementwise pass.
+  HF's x * cos + rotate_half(x) * sin with rotate_half as a flip of the two
+  halves times (-1, +1): the same float32 results, and forward and backward
+  are each one elementwise pass (slicing the halves costs padded copies in
+  the backward). Tried on a v5e: rotate_half as a signed permutation matmul,
+  which keeps q and k [B, T, H, K], saved 1.3 ms without remat but cost 2.3 ms
+  under it (docs/results/tpu_v5e.md; bench/device_check.py --rope_matmul).
   """
-  k = x_BTHK.shape[-1]
-  eye = np.eye(k // 2, dtype=np.float32)
-  rotate_KK = np.block([[np.zeros_like(eye), eye], [-eye, np.zeros_like(eye)]])
-  exact = jax.lax.Precision.HIGHEST if x_BTHK.dtype == jnp.float32 else None
-  rotated_BTHK = jnp.einsum('bthk,kj->bthj', x_BTHK, rotate_KK.astype(x_BTHK.dtype),
-                            precision=exact, preferred_element_type=jnp.float32)
-  cos = jnp.concatenate([cos_BTk, cos_BTk], axis=-1)[:, :, None, :]
-  sin = jnp.concatenate([sin_BTk, sin_BTk], axis=-1)[:, :, None, :]
-  return (x_BTHK.astype(jnp.float32) * cos + rotated_BTHK * sin).astype(x_BTHK.dtype)
+  b, t, h, k = x_BTHK.shape
+  x_BTH2k = x_BTHK.astype(jnp.float32).reshape(b, t, h, 2, k // 2)
+  sign_11121 = jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
+  rotated_BTH2k = jnp.flip(x_BTH2k, axis=3) * sign_11121
+  cos, sin = cos_BTk[:, :, None, None, :], sin_BTk[:, :, None, None, :]
+  return (x_BTH2k * cos + rotated_BTH2k * sin).reshape(b, t, h, k).astype(x_BTHK.dtype)
 
 
 # --- Attention, the equation ------------------------------------------------

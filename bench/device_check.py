@@ -65,15 +65,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def rope_halves(x_BTHK, cos_BTk, sin_BTk):
-  """--rope_halves: model.apply_rope as it was, on a [B, T, H, 2, K/2] view of each head's
-  halves (the lever's A side; the model now rotates by a signed permutation matmul)."""
-  b, t, h, k = x_BTHK.shape
-  x_BTH2k = x_BTHK.astype(jnp.float32).reshape(b, t, h, 2, k // 2)
-  sign_11121 = jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
-  rotated_BTH2k = jnp.flip(x_BTH2k, axis=3) * sign_11121
-  cos, sin = cos_BTk[:, :, None, None, :], sin_BTk[:, :, None, None, :]
-  return (x_BTH2k * cos + rotated_BTH2k * sin).reshape(b, t, h, k).astype(x_BTHK.dtype)
+def rope_matmul(x_BTHK, cos_BTk, sin_BTk):
+  """--rope_matmul, a lever: rotate_half(x) = [-x2, x1] as x times a signed permutation
+  matrix (exact: one input times +-1 per output, float32 accumulation), so q and k stay
+  [B, T, H, K] where model.apply_rope views them as [B, T, H, 2, K/2]."""
+  k = x_BTHK.shape[-1]
+  eye = np.eye(k // 2, dtype=np.float32)
+  rotate_KK = np.block([[np.zeros_like(eye), eye], [-eye, np.zeros_like(eye)]])
+  exact = jax.lax.Precision.HIGHEST if x_BTHK.dtype == jnp.float32 else None
+  rotated_BTHK = jnp.einsum('bthk,kj->bthj', x_BTHK, rotate_KK.astype(x_BTHK.dtype),
+                            precision=exact, preferred_element_type=jnp.float32)
+  cos = jnp.concatenate([cos_BTk, cos_BTk], axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([sin_BTk, sin_BTk], axis=-1)[:, :, None, :]
+  return (x_BTHK.astype(jnp.float32) * cos + rotated_BTHK * sin).astype(x_BTHK.dtype)
 
 
 def slice_config(args):
@@ -103,7 +107,7 @@ def slice_config(args):
   return config_checks.validate(cfg) or cfg
 
 
-def step_setup(cfg, rope_halves_lever: bool = False):
+def step_setup(cfg, rope_matmul_lever: bool = False):
   """(jitted train step, state, batch): the real train.py step on one device's mesh."""
   import model  # pylint: disable=import-outside-toplevel
   import optim  # pylint: disable=import-outside-toplevel
@@ -119,8 +123,8 @@ def step_setup(cfg, rope_halves_lever: bool = False):
            'labels': jax.device_put(tokens[:, 1:], rows),
            'instance_mask': jax.device_put(np.ones(B, bool), jax.sharding.NamedSharding(
                mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES)))}
-  if rope_halves_lever:
-    model.apply_rope = rope_halves
+  if rope_matmul_lever:
+    model.apply_rope = rope_matmul
   step = jax.jit(train.make_train_step(cfg, tx, mesh, 1), donate_argnums=0,
                  out_shardings=(shardings, None))
   return step, state, batch
@@ -129,7 +133,7 @@ def step_setup(cfg, rope_halves_lever: bool = False):
 def check_step(cfg, args) -> dict:
   from monitor import metrics  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
-  step, state, batch = step_setup(cfg, args.rope_halves)
+  step, state, batch = step_setup(cfg, args.rope_matmul)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   memory = compiled.memory_analysis()
@@ -292,7 +296,7 @@ def slice_flags(args, **changes) -> list[str]:
   return ([f"--layers={v['layers']}", f"--vocab={v['vocab']}", f"--steps={v['steps']}",
            f"--sequences={v['sequences']}"] + (['--tiny'] if v['tiny'] else [])
           + ([f"--remat={v['remat']}"] if v['remat'] else [])
-          + (['--rope_halves'] if v['rope_halves'] else [])
+          + (['--rope_matmul'] if v['rope_matmul'] else [])
           + (['--hd256'] if v['hd256'] else []))
 
 
@@ -477,9 +481,9 @@ def parser() -> argparse.ArgumentParser:
                  help="the step under each of these remat policies, ';'-separated, or "
                  "'candidates' (plan.REMAT_CANDIDATES), with 'full' and 'none', in one run "
                  '(no other check runs)')
-  p.add_argument('--rope_halves', action='store_true',
-                 help="a lever's A side: RoPE on a [.., 2, K/2] view of q and k, as the model "
-                 'had it, instead of its permutation matmul')
+  p.add_argument('--rope_matmul', action='store_true',
+                 help="a lever: RoPE's rotate_half as a permutation matmul (rope_matmul) "
+                 "instead of model.apply_rope's [.., 2, K/2] view")
   p.add_argument('--fit', action='store_true',
                  help='the fit test: the most sequences the plan fits run, one more fails')
   p.add_argument('--fit_max', type=int, default=8, help='the fit test tries up to this many')

@@ -76,3 +76,22 @@ def test_a_bad_policy_is_one_line():
                         timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert proc.returncode == 2 and "the place after '@' can only be 'host'" in proc.stderr
   assert 'Traceback' not in proc.stderr
+
+
+def test_the_rope_lever_computes_the_models_rope():
+  """--rope_matmul changes how RoPE runs, not what it computes: bit-equal in float32 and
+  in bf16 (each output is one input times +-1), also at YaRN-scaled tables."""
+  sys.path.insert(0, str(REPO / 'bench'))
+  import device_check  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
+  inv_freq = 1.0 / 500000.0 ** (np.arange(0, 256, 2, dtype=np.float32) / 256)
+  cos, sin = model.rope_tables(positions, inv_freq, 1.2)
+  x = jax.random.normal(jax.random.key(0), (2, 32, 3, 256), jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    want = model.apply_rope(x.astype(dtype), cos, sin)
+    got = device_check.rope_matmul(x.astype(dtype), cos, sin)
+    assert got.dtype == want.dtype and bool(jnp.all(got == want))
