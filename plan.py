@@ -48,6 +48,18 @@ and fitted as a + b / fsdp (a: activations and one gathered layer group, fixed
 per micro-batch; b: gradient accumulators and optimizer temporaries, sharded
 like the state), then evaluated at the target's FSDP size.
 
+--policies (with --topology and libtpu) plans the step under each remat policy
+(';'-separated, or 'candidates': REMAT_CANDIDATES) and prints one row each:
+device memory per device, host memory per host (the activations the policy
+offloads, and the state's host copy a checkpoint stages, against the host's RAM
+in HOST_GB_PER_CHIP), XLA's flops and whether it fits --budget_gb; then names
+the fitting policy with the least recomputation (docs/remat.md). A single
+--topology plan whose host memory does not fit the host is refused (exit 2).
+
+One module of ~680 lines: the CPU and TPU compiles, the report and the sweep
+all build and read the same Plan from the same compile; split apart, each
+part would reach into the others' internals.
+
 Shapes: B global batch, T sequence.
 """
 
