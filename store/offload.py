@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from store import chunk_store
 
@@ -148,8 +147,8 @@ def take(names: list[str], leaves: list[Any], process_index: int, chunk_bytes: i
   device_copy: 'auto' copies on device where the platform's arrays are not host memory,
   as far as `room` allows; True copies every jax.Array on device (room is not asked);
   False copies nothing there (every array to host now). agree: every process's choice
-  made one (the copy of a global array is one program, which every process must run
-  alike, whatever room its own devices have): checkpoint.py ANDs them.
+  made one where it rests on its own devices' room ('auto' off CPU; the copy of a global
+  array is one program, which every process must run alike): checkpoint.py ANDs them.
   """
   arrays = [x for x in leaves if isinstance(x, jax.Array)]
   devices = sorted({d for x in arrays for d in x.sharding.addressable_devices}, key=id)
@@ -162,13 +161,12 @@ def take(names: list[str], leaves: list[Any], process_index: int, chunk_bytes: i
     free, chosen = None, [False] * len(leaves)
     why = ('to host at once (device_copy=False)' if device_copy is False else
            'to host at once (a zero-copy view: on CPU the device is the host)')
-  elif device_copy == 'auto':
+  elif device_copy == 'auto':  # the only choice that can differ between processes
     free = room(devices)
-    chosen = plan(leaves, free) if free is not None else [False] * len(leaves)
+    chosen = agree(plan(leaves, free) if free is not None else [False] * len(leaves))
     why = ''
   else:
     raise ValueError(f'device_copy={device_copy!r}: must be True, False or "auto".')
-  chosen = agree(chosen)
   copy_idx = [i for i, c in enumerate(chosen) if c]
   out = list(leaves)
   peak_before = {d: _peak(stats) for d in devices if copy_idx and (stats := d.memory_stats())}
