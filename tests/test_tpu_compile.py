@@ -325,3 +325,38 @@ def test_each_named_policy_saves_what_it_names(remat_bounds, policy, spared):
   if policy == 'save_qkv':  # the q, k and v matmuls of the group's 2 layers
     d, t = 256, 1024  # (XLA counts a scan's body once, whatever its trip count)
     assert full_flops - flops == pytest.approx(2 * (2 * t * d * 3 * d), rel=0.02)
+
+
+@pytest.mark.slow  # two libtpu compiles of the small step: ~1 min
+def test_plan_sweeps_remat_policies_with_host_memory_per_host():
+  proc = _plan(*SMALL_TPU, '--topology=v5e:2x2', '--policies=full; attn@host')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+          if line.split() and line.split()[0] in ('full', 'attn@host')}
+  assert set(rows) == {'full', 'attn@host'}
+  # host GB per host: 4 devices' state copies, plus the offloaded attention output.
+  assert float(rows['attn@host'][2]) > float(rows['full'][2]) > 0
+  assert rows['full'][-1] == rows['attn@host'][-1] == 'yes'
+  assert "least recomputation that fits: --config.model.remat=" in proc.stdout
+
+
+def test_a_policy_whose_offload_outgrows_the_host_is_refused(monkeypatch):
+  cfg = config_checks.complete(small.get_config())
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16',
+                   remat='attn@host')
+  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 1024, 512, 1
+  p = plan.tpu_plan(cfg, 'v5e:2x2')
+  assert p.host_bytes > 0 and p.devices_per_host == 4
+  assert plan.host_budget_gb(p) == 4 * 48 and plan.fits_host(p)
+  # The state's checkpoint copy and the offload, per device, times the host's devices.
+  params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)),
+                                     {'data': 1, 'fsdp': 4, 'tensor': 1})
+  assert p.host_need_bytes == 4 * (p.host_bytes + params + opt)
+  monkeypatch.setitem(plan.HOST_GB_PER_CHIP, 'TPU v5e', p.host_need_bytes / 4 / 1e9 * 0.99)
+  assert not plan.fits_host(p)
+  assert 'DOES NOT FIT' in plan.format_plan(cfg, p)
+
+
+def test_policies_need_a_named_slice():
+  proc = _plan('--config=configs/small.py', '--policies=candidates')
+  assert proc.returncode == 2 and '--topology' in proc.stderr and 'Traceback' not in proc.stderr
