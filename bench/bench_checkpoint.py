@@ -31,6 +31,8 @@ checkpointer, --rounds times, alternating:
               (page cache evicted where the kernel allows) and warm; seconds,
               GB/s, and bit-identical to the state saved (per-array
               fingerprints computed on device before the state was freed)
+  until       (--until_durable) the whole cost: steps run one at a time, each waited
+              for, from a save until it is committed, against as many without one
 Also the device's room for the on-device copy (store/offload.py: the
 allocator's limit less the steps' peak) and the compiled step's own memory
 plan. orbax is a bench-only dependency: `pip install orbax-checkpoint==0.12.4`
@@ -233,6 +235,24 @@ def _poll(path: pathlib.Path, began: float, out: dict) -> threading.Thread:
   return thread
 
 
+def _until_durable(saver, step: int, state, steps) -> tuple:
+  """(state, seconds lost, steps): steps run one at a time (each waited for) from a save
+  until it is committed, against as many steps without a save, run just after it."""
+  committed = saver.committed(step)
+  t0 = time.perf_counter()
+  saver.save(step, state)
+  n = 0
+  while not committed.exists():
+    state = steps(state, 1)
+    n += 1
+  with_save = time.perf_counter() - t0
+  saver.wait()
+  t0 = time.perf_counter()
+  for _ in range(n):
+    state = steps(state, 1)
+  return state, with_save - (time.perf_counter() - t0), n
+
+
 def _fingerprint(state) -> list[int]:
   """Per array, a sum of its bits as uint32 words: computed on device, compared exactly."""
   def one(x):
@@ -300,6 +320,12 @@ def vs_orbax(args) -> dict:
       print(f'round {r} {saver.name:5s}: window {without:.2f} s without, {with_save:.2f} s '
             f'with a save: lost {with_save - without:.3f} s; save call {blocked:.3f} s; '
             f'durable after {seen["durable_s"]:.2f} s', flush=True)
+      if args.until_durable:  # the whole cost: every step that ran beside the write
+        step += 1
+        state, lost, n = _until_durable(saver, step, state, steps)
+        res.setdefault('lost_until_durable_s', []).append(lost)
+        print(f'round {r} {saver.name:5s}: until durable ({n} steps): lost {lost:.3f} s',
+              flush=True)
   # The same final state, saved by both alone (no steps beside), then restored.
   step += 1
   for saver in savers:
@@ -331,7 +357,8 @@ def vs_orbax(args) -> dict:
       del restored
     saver.close()
   for res in results.values():  # --rounds=0: saves alone and restores only
-    for key in ('lost_s', 'blocked_s', 'durable_in_window_s'):
+    for key in ('lost_s', 'blocked_s', 'durable_in_window_s') + (
+        ('lost_until_durable_s',) if args.until_durable and args.rounds else ()):
       res[key + '_median'] = float(np.median(res[key])) if res[key] else float('nan')
   ours, orbax = results['ours'], results['orbax']
   return {'device': jax.devices()[0].device_kind, 'state_gb': round(gb, 3),
@@ -358,7 +385,9 @@ def _print_vs_orbax(out: dict) -> None:
           f"{r['durable_alone_s']:.2f} s alone; {r['on_disk_gb']:.2f} GB on disk; restore "
           f"{r['restore_cold_s']:.2f} s cold ({r['restore_cold_gb_s']:.2f} GB/s), "
           f"{r['restore_warm_s']:.2f} s warm ({r['restore_warm_gb_s']:.2f} GB/s); "
-          f"bit-identical {r['restored_bit_identical']}")
+          f"bit-identical {r['restored_bit_identical']}"
+          + (f"; lost until durable {r['lost_until_durable_s_median']:.3f} s"
+             if 'lost_until_durable_s_median' in r else ''))
   print(f"orbax / ours: time lost per save {out['lost_orbax_over_ours']:.1f}x, "
         f"warm restore time {out['restore_warm_orbax_over_ours']:.2f}x")
 
@@ -379,6 +408,9 @@ def main() -> None:
   parser.add_argument('--device_copy', default='auto', choices=['auto', 'true', 'false'],
                       help="--vs_orbax: Checkpointer(device_copy=...)")
   parser.add_argument('--out', default='', help='--vs_orbax: also write the numbers here')
+  parser.add_argument('--until_durable', action='store_true',
+                      help='--vs_orbax: per round also the steps from a save to its commit, '
+                           'each waited for, against as many without (the whole cost)')
   args = parser.parse_args()
   if args.vs_orbax:
     args.device_copy = {'auto': 'auto', 'true': True, 'false': False}[args.device_copy]
