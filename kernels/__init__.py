@@ -25,6 +25,7 @@ layer above may call it (tests/test_layout.py).
 """
 
 from collections.abc import Callable
+import functools
 import math
 from typing import NamedTuple
 
@@ -139,6 +140,7 @@ def _name_output(o_BTHK: jax.Array, names: tuple[str, str] | None) -> jax.Array:
 
 def _named(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   """`attention` with the `names` argument: its output named (it has no log-sum-exp)."""
+  @functools.wraps(attention)
   def run(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
     return _name_output(attention(q_BTHK, k_BSGK, v_BSGK, window=window,
                                   segment_ids_BT=segment_ids_BT), names)

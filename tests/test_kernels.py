@@ -506,7 +506,7 @@ def test_auto_resolves_per_platform(platform, overrides, segments, want):
 def test_select_on_cpu_is_the_tuned_xla_path():
   ops = kernels.select(_model_cfg(), segments=False)
   assert ops.impl == 'xla' and ops.matmul is kernels.xla.matmul
-  assert ops.attention is kernels.xla.attention
+  assert ops.attention.__wrapped__ is kernels.xla.attention  # with the residuals' names
   with pytest.raises(NotImplementedError, match='segment ids'):
     kernels.select(_model_cfg(attention_impl='cudnn'), segments=True)
 
