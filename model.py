@@ -4,7 +4,9 @@ Architecture facts: docs/architecture.md (HF `modeling_olmo3.py`, OLMo-core
 `ReorderedNormTransformerBlock`). Reading order: norms, RoPE, one block, the
 scanned stack, then parameter and FLOP counts. The block's matmuls and its one
 attention call run on the implementation `cfg.attention_impl` selects
-(kernels/__init__.py: Pallas on TPU, cuDNN on GPU, CPU-tuned XLA on CPU).
+(kernels/__init__.py: Pallas on TPU, cuDNN on GPU, CPU-tuned XLA on CPU). Remat
+policies (`remat_plan`: what a layer group's backward keeps, by the activations
+`_block` names) are explained in docs/remat.md.
 
 Shapes: B batch, T time (queries), S time (keys), D d_model, H query heads,
 G kv heads, R = H // G queries per kv head, K head_dim, F mlp hidden, V vocab,
@@ -99,6 +101,8 @@ def remat_plan(cfg: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]] | N
   None for 'none' and 'save_dots' (no save list); a ValueError naming the item for a
   spec that `REMAT_SYNTAX` does not describe.
   """
+  if not isinstance(cfg.remat, str):
+    raise ValueError(f'{cfg.remat!r} is not a string')
   spec = REMAT_PRESETS.get(cfg.remat, cfg.remat)
   if spec is None:
     return None
