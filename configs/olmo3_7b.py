@@ -58,7 +58,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'  # OLMo-core FSDP: fp32 master weights
   m.dtype = 'bfloat16'  # OLMo-core FSDP mixed precision: bf16 compute
   # Remat: 'full' fits every pod the 7B fits (a v5e-32 at the chip's limit). A v5e-256
-  # fits 'mlp_out,attn' in 15 GB, 7% faster on a v5e (docs/remat.md; plan.py --policies).
+  # fits 'mlp_out,attn' in 15 GB (7% faster on a v5e), a v5e-64 'mlp_out' (3.8%):
+  # docs/recipe.md, plan.py --policies.
   m.remat = 'full'
   m.attention_impl = 'auto'  # Pallas on TPU, cuDNN on GPU, xla on CPU: kernels.resolve
   m.attention_block_q = config_dict.placeholder(int)  # kernel block sizes; None: kernels' table
