@@ -65,7 +65,8 @@ def compilation_cache(tmp_path_factory):
 # worker ran them alone). Longest first, so both workers finish together; the
 # per-file times are in docs/results/tests.md. Files not listed follow in
 # their usual order.
-LONGEST_FIRST = ('test_storage_e2e.py', 'test_eval.py', 'test_train.py', 'test_kernels.py',
+LONGEST_FIRST = ('test_storage_e2e.py', 'test_eval.py', 'test_train.py', 'test_tpu_compile.py',
+                 'test_kernels.py',
                  'test_multihost.py', 'test_context_parallel.py', 'test_rollback.py',
                  'test_rollback_multihost.py', 'test_launch.py', 'test_own_text.py',
                  'test_faults.py', 'test_olmo_core_ckpt.py', 'test_storage_faults_exit.py',
@@ -74,7 +75,8 @@ LONGEST_FIRST = ('test_storage_e2e.py', 'test_eval.py', 'test_train.py', 'test_k
                  'test_tracking.py', 'test_goodput.py', 'test_held_out_multihost.py',
                  'test_convert.py', 'test_remote_data.py', 'test_long_context.py',
                  'test_audit.py', 'test_loss.py', 'test_optim.py', 'test_fetch_data.py',
-                 'test_run_messages.py', 'test_profile.py', 'test_prepare_data.py')
+                 'test_run_messages.py', 'test_profile.py', 'test_prepare_data.py',
+                 'test_offload.py', 'test_bench_run.py', 'test_deploy.py')
 
 
 def pytest_collection_modifyitems(items):
