@@ -534,20 +534,20 @@ def sweep(cfg: ml_collections.ConfigDict, topology: str, policies: list[str],
   print(f"{'remat policy':28s} {'device GB':>10s} {'host GB/host':>13s} "
         f"{'XLA TFLOP/dev*':>14s}  fits {budget_gb:g} GB + host   (* each loop body once)",
         flush=True)
-  plans = []
+  plans, fitting = [], []
   for policy in policies:
     one = cfg.copy_and_resolve_references()
     one.model.remat = policy
     p = tpu_plan(one, topology)
-    c = p.compiles[0]
+    flops = p.compiles[0].flops
     fits = not p.out_of_memory and p.fits(budget_gb) and fits_host(p)
     device = f"{'>' if p.out_of_memory else ''}{p.peak_bytes / GB:.2f}"
     print(f'{policy:28s} {device:>10s} {p.host_need_bytes / GB:13.2f} '
-          f"{c.flops / 1e12 if c.flops else float('nan'):14.2f}  {'yes' if fits else 'no'}",
+          f"{flops / 1e12 if flops else float('nan'):14.2f}  {'yes' if fits else 'no'}",
           flush=True)
     plans.append((policy, p))
-  fitting = [(c.flops, policy) for policy, p in plans for c in p.compiles
-             if not p.out_of_memory and p.fits(budget_gb) and fits_host(p) and c.flops]
+    if fits and flops:
+      fitting.append((flops, policy))
   if fitting:
     print(f'least recomputation that fits: --config.model.remat={min(fitting)[1]!r} '
           '(the fewest XLA flops; a policy with host offload also pays its transfers: time '
