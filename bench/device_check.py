@@ -4,6 +4,8 @@
     python bench/device_check.py --layers=2 --vocab=8192 --fit --compare_hd256  # one TPU v5e
     python bench/device_check.py --layers=2 --vocab=8192 --profile=P  # + P/step.hlo.txt:
                                                   # bench/profile_breakdown.py reads both
+    python bench/device_check.py --layers=2 --vocab=8192 --policies=candidates  # remat
+                                                  # policies timed (docs/remat.md)
     JAX_PLATFORMS=cpu python bench/device_check.py --tiny  # the same script in miniature
 
 A slice of the 7B (configs/olmo3_7b.py: d_model 4096, 32 heads, seq 8192, bf16
@@ -12,6 +14,8 @@ compute, fp32 master weights and Adam, the full vocabulary head) with
 --vocab shrinks the vocabulary (embedding and head) where the full one's fp32
 state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
 --remat picks the slice's remat policy (default: the 7B config's 'full').
+--policies times the step under each of several policies in one process, beside
+'full' and 'none', with a pod-equivalent MFU (check_policies), and runs nothing else.
 
   step        train.make_train_step's time per step (median of --steps after
               the compile) and MFU against metrics.PEAK_FLOPS for the chip,
@@ -189,7 +193,7 @@ def update_seconds(cfg, steps: int) -> float:
     return train.TrainState(optim.apply_updates(state.params, updates, opt_state), opt_state)
   run = jax.jit(update, donate_argnums=0, out_shardings=shardings)
   times = []
-  for i in range(steps + 2):  # two untimed
+  for _ in range(steps + 2):  # two untimed
     start = time.perf_counter()
     state = jax.block_until_ready(run(state, grads))
     times.append(time.perf_counter() - start)
