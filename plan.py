@@ -522,6 +522,13 @@ REMAT_CANDIDATES = ('full', 'save_attn', 'mlp_out', 'save_outs', 'mlp_out,attn',
                     'outs,attn,qkv@host', 'save_qkv', 'save_qkv_attn', 'none')
 
 
+def policy_list(text: str) -> list[str]:
+  """--policies' value: ';'-separated remat policies, or 'candidates' (REMAT_CANDIDATES)."""
+  if text == 'candidates':
+    return list(REMAT_CANDIDATES)
+  return [x.strip() for x in text.split(';') if x.strip()]
+
+
 def sweep(cfg: ml_collections.ConfigDict, topology: str, policies: list[str],
           budget_gb: float) -> list[tuple[str, Plan]]:
   """Plans `cfg` under each remat policy for `topology` with libtpu; prints one row each.
@@ -606,8 +613,7 @@ def _sweep(cfg: ml_collections.ConfigDict) -> None:
   if FLAGS.devices is not None or FLAGS.target_devices or FLAGS.platform not in (None, 'tpu'):
     raise ValueError('--policies with --topology names the devices and the platform; drop '
                      '--devices, --target_devices and --platform.')
-  policies = (list(REMAT_CANDIDATES) if FLAGS.policies == 'candidates'
-              else [x.strip() for x in FLAGS.policies.split(';') if x.strip()])
+  policies = policy_list(FLAGS.policies)
   cfg = config_checks.complete(cfg)  # once: the data's description fills in the same fields
   for policy in policies:  # every mistake before the first compile (minutes each)
     one = cfg.copy_and_resolve_references()

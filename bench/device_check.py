@@ -201,10 +201,10 @@ def update_seconds(cfg, steps: int) -> float:
 
 
 def _policies(args) -> list[str]:
+  if not args.policies:  # no planner import on every other run (and every child)
+    return []
   import plan  # pylint: disable=import-outside-toplevel
-  if args.policies == 'candidates':
-    return list(plan.REMAT_CANDIDATES)
-  return [x.strip() for x in args.policies.split(';') if x.strip()]
+  return plan.policy_list(args.policies)
 
 
 def check_policies(args, pod_devices: int = 256) -> dict:
