@@ -315,8 +315,8 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
     print(f'The checkpoint is at step {start} = train.steps: this run is complete. Raise '
           '--config.train.steps to train further.', flush=True)
   # Held-out loss and OLMo-core's in-loop olmo_eval tasks (their plan cached on each host).
-  evals = held_out.InLoop(cfg, mesh, make_eval_step(cfg, mesh),
-                          storage.local_cache_dir(workdir, 'eval_cache'))
+  evals = held_out.InLoop(cfg, mesh, make_eval_step(cfg, mesh),  # compiled from here on
+                          storage.local_cache_dir(workdir, 'eval_cache'), state.params)
   tracker = tracking.Tracker.for_run(cfg, workdir)  # W&B (train.wandb), off this thread
   profile = profiler.StepProfiler(cfg.train, workdir)  # train.profile_steps
 

@@ -31,6 +31,9 @@ checkpointer, --rounds times, alternating:
               (page cache evicted where the kernel allows) and warm; seconds,
               GB/s, and bit-identical to the state saved (per-array
               fingerprints computed on device before the state was freed)
+  split       our restore's parts, each alone: the reads and checksums into host memory,
+              the same files read plainly, fresh host memory filled, and the host
+              state placed on the device
   until       (--until_durable) the whole cost: steps run one at a time, each waited
               for, from a save until it is committed, against as many without one
 Also the device's room for the on-device copy (store/offload.py: the
@@ -53,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
@@ -127,7 +131,7 @@ def fresh_memory_speed(nbytes: int) -> float:
   """GB/s of filling never-touched host memory: a ceiling for any restore, which
   must materialize the state in fresh pages (page faults cost a lot in VMs)."""
   t0 = time.perf_counter()
-  blocks = [np.ones(_BLOCK // 4, np.float32) for _ in range(nbytes // _BLOCK)]
+  blocks = [np.ones(_BLOCK // 4, np.float32) for _ in range(max(1, nbytes // _BLOCK))]
   speed = len(blocks) * _BLOCK / (time.perf_counter() - t0) / 1e9
   del blocks
   return speed
@@ -293,7 +297,8 @@ def vs_orbax(args) -> dict:
   step_s = (time.perf_counter() - t0) / args.window
   free = offload.room(jax.local_devices())
   limit = (jax.local_devices()[0].memory_stats() or {}).get('bytes_limit')
-  root = pathlib.Path(tempfile.mkdtemp(prefix='bench_checkpoint_', dir=args.dir)).resolve()
+  root = pathlib.Path(tempfile.mkdtemp(prefix='bench_checkpoint_', dir=_made(args.dir))
+                      ).resolve()
   savers = [_Ours(root / 'ours', args.device_copy), _Orbax(root / 'orbax')]
   results = {s.name: {'lost_s': [], 'blocked_s': [], 'durable_in_window_s': []}
              for s in savers}
@@ -356,6 +361,7 @@ def vs_orbax(args) -> dict:
       jax.tree.map(lambda x: x.delete(), restored)
       del restored
     saver.close()
+  results['ours']['split'] = _restore_split(savers[0].root, step, target, gb)
   for res in results.values():  # --rounds=0: saves alone and restores only
     for key in ('lost_s', 'blocked_s', 'durable_in_window_s') + (
         ('lost_until_durable_s',) if args.until_durable and args.rounds else ()):
@@ -372,6 +378,46 @@ def vs_orbax(args) -> dict:
           'restore_warm_orbax_over_ours': orbax['restore_warm_s'] / ours['restore_warm_s']}
 
 
+def _made(directory: str | None) -> str | None:
+  """--dir, made if it is missing (a file there is the user's mistake: one line)."""
+  if directory:
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      sys.exit(f'--dir={directory}: cannot make it a directory ({e.strerror}); pass a '
+               'directory on the filesystem to measure.')
+  return directory
+
+
+def _restore_split(root: pathlib.Path, step: int, target: Any, gb: float) -> dict:
+  """Where our restore's time goes, each part alone (files warm, as a resume finds them
+  just written): tensorstore's reads and the checksums into host memory; the same files
+  read plainly (Python readinto, fresh buffers); filling fresh host memory; the host
+  state placed on the device (device_put, waited for)."""
+  out = {}
+  host_target = jax.tree.map(lambda x: np.broadcast_to(np.zeros((), x.dtype), x.shape), target)
+  t0 = time.perf_counter()
+  host, _ = checkpoint.restore(str(root), host_target, step=step)
+  out['read_to_host_s'] = time.perf_counter() - t0
+  files = [p for p in (root / f'step_{step}').rglob('*') if p.is_file()]
+  t0 = time.perf_counter()
+  nbytes = 0
+  for path in files:
+    buffer = np.empty(path.stat().st_size, np.uint8)
+    with open(path, 'rb', buffering=0) as f:
+      nbytes += f.readinto(buffer)
+  out['plain_read_gb_s'] = nbytes / (time.perf_counter() - t0) / 1e9
+  out['fresh_memory_gb_s'] = fresh_memory_speed(int(gb * 1e9))
+  t0 = time.perf_counter()
+  placed = jax.block_until_ready(jax.device_put(host, jax.tree.map(lambda x: x.sharding,
+                                                                   target)))
+  out['to_device_s'] = time.perf_counter() - t0
+  jax.tree.map(lambda x: x.delete(), placed)
+  out['read_to_host_gb_s'] = gb / out['read_to_host_s']
+  out['to_device_gb_s'] = gb / out['to_device_s']
+  return out
+
+
 def _print_vs_orbax(out: dict) -> None:
   print(f"{out['device']}: state {out['state_gb']:.2f} GB, step {out['step_s'] * 1e3:.1f} ms, "
         f"{out['window_steps']}-step windows x {out['rounds']} rounds; device room for the copy "
@@ -379,16 +425,24 @@ def _print_vs_orbax(out: dict) -> None:
         f"(limit {out['bytes_limit_gb']}, the step's plan {out['plan_peak_gb']:.2f} GB)")
   for name in ('ours', 'orbax'):
     r = out[name]
-    print(f"{name:5s} lost per save {r['lost_s_median']:6.3f} s (each: "
+    print(f"{name:5s} " + (f"lost per save {r['lost_s_median']:6.3f} s (each: "
           f"{', '.join(f'{v:.3f}' for v in r['lost_s'])}); save call {r['blocked_s_median']:.3f} s; "
           f"durable {r['durable_in_window_s_median']:.2f} s in the window, "
-          f"{r['durable_alone_s']:.2f} s alone; {r['on_disk_gb']:.2f} GB on disk; restore "
+          if r['lost_s'] else '') +
+          f"durable {r['durable_alone_s']:.2f} s alone; {r['on_disk_gb']:.2f} GB on disk; restore "
           f"{r['restore_cold_s']:.2f} s cold ({r['restore_cold_gb_s']:.2f} GB/s), "
           f"{r['restore_warm_s']:.2f} s warm ({r['restore_warm_gb_s']:.2f} GB/s); "
           f"bit-identical {r['restored_bit_identical']}"
           + (f"; lost until durable {r['lost_until_durable_s_median']:.3f} s"
              if 'lost_until_durable_s_median' in r else ''))
-  print(f"orbax / ours: time lost per save {out['lost_orbax_over_ours']:.1f}x, "
+  split = out['ours']['split']
+  print(f"ours' restore, each part alone (warm files): read + checksums to host "
+        f"{split['read_to_host_s']:.2f} s ({split['read_to_host_gb_s']:.2f} GB/s; the same "
+        f"files read plainly {split['plain_read_gb_s']:.2f} GB/s, fresh memory filled at "
+        f"{split['fresh_memory_gb_s']:.2f} GB/s); host to device {split['to_device_s']:.2f} s "
+        f"({split['to_device_gb_s']:.2f} GB/s)")
+  print((f"orbax / ours: time lost per save {out['lost_orbax_over_ours']:.1f}x, "
+         if out['rounds'] else 'orbax / ours: ') +
         f"warm restore time {out['restore_warm_orbax_over_ours']:.2f}x")
 
 
@@ -423,7 +477,7 @@ def main() -> None:
 
   state = jax.block_until_ready(make_state(args.size_gb))
   gb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e9
-  with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+  with tempfile.TemporaryDirectory(dir=_made(args.dir)) as tmp:
     rounds = [measure(pathlib.Path(tmp), state, r + 1, args.use_ocdbt)
               for r in range(args.repeats)]
   best = {k: max(r[k] for r in rounds) for k in rounds[0] if k != 'save_blocking_s'}

@@ -23,6 +23,7 @@ import numpy as np
 
 import data
 from evaluation import in_loop
+from monitor import goodput
 import sharding
 from tokens import batches
 
@@ -36,12 +37,15 @@ def sets(cfg_data: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
   return named
 
 
-def evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh, eval_step: Callable
-              ) -> Callable[..., dict[str, float]] | None:
+def evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh, eval_step: Callable,
+              params_like: Any = None) -> Callable[..., dict[str, float]] | None:
   """params -> {'eval/lm/<set>/CE loss', PPL for each held-out set}, or None.
 
   eval_step(params, batch) -> (CE sum, label count) (train.make_eval_step); it is
-  jitted here. Sets are named as OLMo-core's LMEvaluator labels them (sets)."""
+  jitted here. Sets are named as OLMo-core's LMEvaluator labels them (sets). Given
+  `params_like` (the params, or their shapes with shardings), it is also compiled now, on
+  a thread, for each batch shape the sets have (goodput.compile_ahead): the first
+  evaluation then waits for nothing the train loop could have run beside."""
   if not cfg.train.eval_every:
     return None
   rows = sharding.batch_sharding(mesh)
@@ -55,6 +59,15 @@ def evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh, eval_step: Callable
   if not held_out:
     return None
   step = jax.jit(eval_step)
+  steps = {}  # a batch's shapes -> its step, compiled ahead where params_like is given
+  if params_like is not None:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), params_like)
+    for held in held_out.values():
+      for local, size in held:
+        if (key := _shapes(local, size)) not in steps:
+          steps[key] = goodput.compile_ahead(
+              step, abstract, batches.abstract_global_batch(local, rows, size))
 
   def evaluate(params):
     out = {}
@@ -62,13 +75,17 @@ def evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh, eval_step: Callable
       ce, count = 0.0, 0
       for local, size in held:
         placed = batches.make_global_batch(local, rows, batches.local_rows(rows, size), size)
-        c, n = step(params, placed)
+        c, n = steps.get(_shapes(local, size), step)(params, placed)
         ce, count = ce + float(c), count + int(n)
       mean = ce / max(count, 1)
       out[f'eval/lm/{name}/CE loss'] = mean
       out[f'eval/lm/{name}/PPL'] = float(np.exp(min(mean, 80.0)))
     return out
   return evaluate
+
+
+def _shapes(local: dict[str, np.ndarray], size: int) -> tuple:
+  return size, tuple((k, v.shape[1:], v.dtype.str) for k, v in sorted(local.items()))
 
 
 def line(val: dict[str, float]) -> str:
@@ -83,9 +100,9 @@ class InLoop:
   the last step. cache_dir: this host's cache of the downstream plan."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, mesh: Mesh, eval_step: Callable,
-               cache_dir: str | None = None):
+               cache_dir: str | None = None, params_like: Any = None):
     self.train = cfg.train
-    self.held_out = evaluator(cfg, mesh, eval_step)
+    self.held_out = evaluator(cfg, mesh, eval_step, params_like)
     self.downstream = in_loop.downstream_evaluator(cfg, mesh, cache_dir)
 
   def run(self, step: int, params: Any, finished: bool, writer: Any, memorization: Any,

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -176,19 +177,22 @@ def reference(token_files, tmp_path_factory):
 def test_the_train_step_is_traced_once(token_files, tmp_path, document_masking):
   """Compiled ahead on a thread from sharding.abstract_batch (goodput.compile_ahead): the
   loop's first call must find that executable, not trace the step again for the real
-  batch (whose keys, dtypes or shardings would then differ from the abstract one)."""
-  traces = []
+  batch (whose keys, dtypes or shardings would then differ from the abstract one). The
+  held-out evaluation's step likewise (batches.abstract_global_batch), at the last step."""
+  traces = {'train_step': [], 'eval_step': []}
 
   def listen(event, duration, fun_name='', **kwargs):
-    if event.endswith('jaxpr_trace_duration') and fun_name == 'train_step':
-      traces.append(duration)
+    if event.endswith('jaxpr_trace_duration') and fun_name in traces:
+      traces[fun_name].append(threading.current_thread().name)
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
     train.train(tiny_config(token_files, **{'train.steps': 2, 'data.document_masking':
                                             document_masking}), str(tmp_path))
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
-  assert len(traces) == 1 and read_metrics(tmp_path).keys() >= {1, 2}
+  metrics = read_metrics(tmp_path)
+  assert metrics.keys() >= {1, 2} and 'eval/lm/validation/CE loss' in metrics[2]
+  assert traces == {'train_step': ['compile ahead'], 'eval_step': ['compile ahead']}
 
 
 def test_logged_names_and_files(reference):

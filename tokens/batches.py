@@ -155,6 +155,23 @@ def grad_accum_steps(global_batch_size: int, num_shards: int, micro_batch_size: 
   return per_shard // micro_batch_size
 
 
+def _key_sharding(sharding: jax.sharding.NamedSharding, ndim: int
+                  ) -> jax.sharding.NamedSharding:
+  """The [B, T] batch sharding cut or padded to an array of `ndim` axes."""
+  spec = (tuple(sharding.spec) + (None,) * ndim)[:ndim]
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def abstract_global_batch(local_batch: dict[str, np.ndarray],
+                          sharding: jax.sharding.NamedSharding, global_batch_size: int
+                          ) -> dict[str, jax.ShapeDtypeStruct]:
+  """What make_global_batch would build from `local_batch`, without building it (for an
+  ahead-of-time compile)."""
+  return {key: jax.ShapeDtypeStruct((global_batch_size,) + local.shape[1:], local.dtype,
+                                    sharding=_key_sharding(sharding, local.ndim))
+          for key, local in local_batch.items()}
+
+
 def make_global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding,
                       rows: np.ndarray, global_batch_size: int) -> dict[str, jax.Array]:
   """Global jax.Arrays from only this process's rows (`rows` = local_rows(...), in order).
@@ -167,8 +184,7 @@ def make_global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding
   out = {}
   for key, local in local_batch.items():
     shape = (global_batch_size,) + local.shape[1:]
-    spec = (tuple(sharding.spec) + (None,) * len(shape))[:len(shape)]
-    arr_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    arr_sharding = _key_sharding(sharding, len(shape))
 
     def callback(index, local=local, key=key):
       want = np.arange(global_batch_size)[index[0]]
