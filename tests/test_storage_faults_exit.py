@@ -7,6 +7,7 @@ fail, drop or cut short what the store answers. The references are the servers' 
 answers (a bucket that is not there, a 403) and the proxy's record of every request.
 """
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -170,21 +171,48 @@ OUTAGES = {
 }
 
 
+@pytest.fixture(scope='module')
+def outage_runs(tmp_path_factory):
+  """{operation: (workdir, its outages, exit code, output, when it ended)}: the four runs
+  at once, each behind its own proxy in its own workdir of one bucket. Each is mostly
+  start-up, saves to the emulator and retry backoff (sleeping), so together they take
+  about as long as the slowest alone (~35 s each, one after another)."""
+  try:
+    bucket = contextlib.ExitStack()
+    endpoint, name = bucket.enter_context(servers.gcs_bucket())
+  except servers.ServerUnavailable as e:
+    pytest.skip(str(e))
+  with bucket, contextlib.ExitStack() as proxies, pytest.MonkeyPatch.context() as env:
+    env.setenv('XDG_CACHE_HOME', str(tmp_path_factory.mktemp('xdg')))  # as `cache` does
+    runs = {}
+    for i, operation in enumerate(OUTAGES):
+      proxy = proxies.enter_context(FaultProxy(endpoint))
+      outages = [proxy.outage(**outage) for outage in OUTAGES[operation]]
+      workdir = f'gs://{name}/run{i}'
+      runs[operation] = (workdir, outages, start(
+          workdir, steps=8, TENSORSTORE_GCS_HTTP_URL=proxy.url,
+          OLMO_STORAGE_RETRIES=str(OUTAGE_RETRIES),
+          OLMO_LOCK_LEASE_SECONDS='1'))  # renewed every 0.25 s
+    ended = {}
+
+    def wait(operation):  # each run's own end, for its time bound
+      ended[operation] = (*finish(runs[operation][2]), time.monotonic())
+    waiters = [threading.Thread(target=wait, args=(op,)) for op in runs]
+    for w in waiters:
+      w.start()
+    for w in waiters:
+      w.join()
+    yield {op: (workdir, outages, *ended[op]) for op, (workdir, outages, _) in runs.items()}
+
+
 @pytest.mark.parametrize('operation', list(OUTAGES))
 def test_an_outage_longer_than_the_retries_is_one_line_and_loses_no_checkpoint(
-    gcs_server, cache, operation):
+    outage_runs, operation):
   """The store goes down as `operation` begins, for longer than OLMO_STORAGE_RETRIES: one
   `error:` line, exit 1 (the launcher restarts it), no traceback, within a bounded time;
   the steps committed before it stay committed and restore in full (every chunk read back
   against its checksum)."""
-  endpoint, bucket = gcs_server
-  workdir = f'gs://{bucket}/run'
-  with FaultProxy(endpoint) as proxy:
-    outages = [proxy.outage(**outage) for outage in OUTAGES[operation]]
-    rc, output = finish(start(workdir, steps=8, TENSORSTORE_GCS_HTTP_URL=proxy.url,
-                              OLMO_STORAGE_RETRIES=str(OUTAGE_RETRIES),
-                              OLMO_LOCK_LEASE_SECONDS='1'))  # renewed every 0.25 s
-    ended = time.monotonic()
+  workdir, outages, rc, output, ended = outage_runs[operation]
   assert all(o['armed'] for o in outages), outages  # the store went down where meant
   line = one_line(output, errors.EXIT_CRASH, rc, workdir)
   if operation == 'lease renewal':  # the only request that failed
