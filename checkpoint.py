@@ -394,11 +394,11 @@ class Checkpointer:
       raise CorruptCheckpointError(corrupt[0])
     return result
 
-  def restore_latest_good(self, target: Any,
-                          verify: bool = True) -> tuple[Any, dict[str, Any]]:
+  def restore_latest_good(self, target: Any, verify: bool = True,
+                          prefetched: Any = None) -> tuple[Any, dict[str, Any]]:
     """Module restore_latest_good(), after tidying (step_dirs.tidy)."""
     self._before_restore()
-    return restore_latest_good(self.directory, target, verify=verify)
+    return restore_latest_good(self.directory, target, verify=verify, prefetched=prefetched)
 
   def _before_restore(self) -> None:
     self.wait()
@@ -534,7 +534,8 @@ def _check_match(path: str, names: list[str], specs: list[tuple], stored: dict) 
 
 
 def restore(directory: str, target: Any, step: int | None = None,
-            verify: bool = True, subtree: str = '') -> tuple[Any, dict[str, Any]]:
+            verify: bool = True, subtree: str = '', prefetched: Any = None
+            ) -> tuple[Any, dict[str, Any]]:
   """Restores a committed checkpoint onto the structure, shardings and dtypes of `target`.
 
   `target` leaves: jax.Array or jax.ShapeDtypeStruct with a sharding (restored
@@ -548,10 +549,14 @@ def restore(directory: str, target: Any, step: int | None = None,
   for a missing or incomplete checkpoint, ValueError naming the array for a
   mismatch with `target`, CorruptCheckpointError for damaged files (checked
   before the mismatch, so damage is never blamed on the config), and
-  CheckpointReadError when the storage refuses a read.
+  CheckpointReadError when the storage refuses a read. `prefetched` (a
+  store.prefetch.Prefetch of this directory): the arrays it read of `step`, if its
+  metadata is unchanged, are placed instead of read again.
   """
   path = step_dirs.committed_dir(directory, step)
   info = chunk_store.read_info(path)
+  ahead = prefetched.take(step, info) if prefetched is not None and step is not None else None
+  ahead = ahead or {}
   stored, use_ocdbt = info['arrays'], info['use_ocdbt']
   names, leaves, treedef = _flatten(target)
   if subtree:  # e.g. 'params': restore only the arrays under that key
@@ -560,7 +565,7 @@ def restore(directory: str, target: Any, step: int | None = None,
   specs = [_target_spec(n, leaf) for n, leaf in zip(names, leaves)]
   ctx = ts.Context()
   opening = {n: ts.open(chunk_store.spec(path, n, use_ocdbt), open=True, context=ctx)
-             for n in names if n in stored}
+             for n in names if n in stored and n not in ahead}  # ahead's: checked when read
   stores = {n: chunk_store.opened(path, n, stored[n], use_ocdbt, f) for n, f in opening.items()}
   _check_match(path, names, specs, stored)
   pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
@@ -576,6 +581,9 @@ def restore(directory: str, target: Any, step: int | None = None,
       # A box of whole chunks (a restore onto the saving layout, or a coarser one) is one
       # read, verified in place: no per-chunk buffers to assemble, and tensorstore reads
       # its chunks in parallel. Other boxes read the chunks they cut and assemble them.
+      if name in ahead:  # read ahead, verified: each box is a view of it
+        plans.append((shape, chunk, boxes, {}, {}))
+        continue
       whole = {box: pool.submit(chunk_store.load_box, path, name, stores[name], box,
                                 stored[name], stores[name][chunk_store.slices(box)].read(),
                                 verify, use_ocdbt)
@@ -592,7 +600,8 @@ def restore(directory: str, target: Any, step: int | None = None,
         names, leaves, specs, plans):
       chunks = {cid: f.result() for cid, f in loads.items()}
       saved_dtype = ts.dtype(stored[name]['dtype']).numpy_dtype
-      hosts = {box: whole[box].result() if box in whole else
+      hosts = {box: ahead[name][chunk_store.slices(box)] if name in ahead else
+               whole[box].result() if box in whole else
                chunk_store.assemble(box, chunks, chunk, shape, saved_dtype) for box in boxes}
       if sharding is None:
         value = next(iter(hosts.values()))
@@ -638,9 +647,10 @@ def read_array(directory: str, name: str, box: Box | None = None, step: int | No
   return chunk_store.assemble(box, chunks, chunk, shape, ts.dtype(desc['dtype']).numpy_dtype)
 
 
-def restore_latest_good(directory: str, target: Any,
-                        verify: bool = True) -> tuple[Any, dict[str, Any]]:
-  """Restores the newest committed checkpoint that passes its checksums.
+def restore_latest_good(directory: str, target: Any, verify: bool = True,
+                        prefetched: Any = None) -> tuple[Any, dict[str, Any]]:
+  """Restores the newest committed checkpoint that passes its checksums (`prefetched`:
+  restore's).
 
   A damaged one (CorruptCheckpointError: chunks, metadata.json, zarr.json) is
   logged as a warning and renamed to corrupt.step_<N>.<nonce> (kept for
@@ -660,7 +670,8 @@ def restore_latest_good(directory: str, target: Any,
     raise FileNotFoundError(f'No committed checkpoint in {directory}.')
   failures = []
   for step in reversed(steps):
-    result, reports = _restore_agreed(sync, f'{key}/{step}', directory, target, step, verify)
+    result, reports = _restore_agreed(sync, f'{key}/{step}', directory, target, step, verify,
+                                      prefetched)
     if not reports:
       return result
     failures.append(f'step {step}: {reports[0]}')
@@ -675,14 +686,14 @@ def restore_latest_good(directory: str, target: Any,
 
 
 def _restore_agreed(sync: Sync, key: str, directory: str, target: Any, step: int,
-                    verify: bool) -> tuple[Any, list[str]]:
+                    verify: bool, prefetched: Any = None) -> tuple[Any, list[str]]:
   """(state, []) when every process restored `step`; (None, messages) when some found it
   corrupt. Anything else any process met (the storage refusing a read, a missing file
   on one host, a mismatch) is raised on every process, so none is left waiting in a
   collective for a peer that failed."""
   result, error, report = None, None, ''
   try:
-    result = restore(directory, target, step, verify=verify)
+    result = restore(directory, target, step, verify=verify, prefetched=prefetched)
   except Exception as e:  # pylint: disable=broad-except  # reported to every process below
     error = e
     kind = 'corrupt' if isinstance(e, CorruptCheckpointError) else 'other'

@@ -43,7 +43,7 @@ import data
 import errors
 from evaluation import held_out
 from evaluation import sample
-from formats import hf_ckpt
+from formats import init_from
 from hosts import host_sync
 from hosts import peers
 from hosts import workdir_lock
@@ -58,6 +58,7 @@ from monitor import rollback
 from monitor import tracking
 import optim
 import sharding
+from store import prefetch
 from store import step_dirs
 from store import storage
 from tokens import batches
@@ -98,66 +99,33 @@ def abstract_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh | None = 
   return sharding.placed(abstract, mesh)
 
 
-def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.Array
-                 ) -> tuple[TrainState, TrainState]:
-  """(state, shardings): built already sharded, so no full-size array ever exists."""
+def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.Array,
+                 stage: Any = lambda name: None) -> tuple[TrainState, TrainState]:
+  """(state, shardings): built already sharded, so no full-size array ever exists.
+  `stage(name)` is told when the init's compile ends (goodput.Account.stage)."""
   init, abstract = _init_fn(cfg, tx)
   shardings = sharding.state_shardings(abstract, mesh)
-  return jax.jit(init, out_shardings=shardings)(rng), shardings
-
-
-def load_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, state: TrainState,
-              shardings: TrainState) -> TrainState:
-  """Step-0 state from cfg.train.init_from: an HF directory or one of our checkpoints.
-
-  Only the weights are taken (fresh optimizer), except with
-  train.reset_step_on_init (stage 2), which also takes the Adam moments and
-  count from a full train checkpoint and restarts the step and schedule.
-  """
-  path = cfg.train.init_from
-  if storage.exists(storage.join(path, 'config.json')):
-    storage.canonical(path, 'train.init_from (an HF directory; or convert it once with '
-                      'convert.py --from_hf=LOCAL_DIR --to=gs://...)', local_only=True)
-    params, source = hf_ckpt.load_hf(path, pad_vocab_to=128)
-    logging.info('Step-0 weights from train.init_from=%s, an HF directory; fresh optimizer '
-                 'state.', path)
-  elif checkpoint.committed_steps(path):
-    source = ml_collections.ConfigDict(checkpoint.read_metadata(path)['config']).model
-    if cfg.train.reset_step_on_init:
-      restored, meta = checkpoint.restore_latest_good(path, abstract_state(cfg, tx, mesh))
-      logging.info('Step-0 weights and Adam moments from train.init_from=%s, its step %d '
-                   '(train.reset_step_on_init: step and schedule restart at 0).', path,
-                   meta['step'])
-      return restored._replace(opt_state=optim.stage2_reset(restored.opt_state))
-    params, meta = checkpoint.restore(path, abstract_state(cfg, tx, mesh).params,
-                                      subtree='params')
-    logging.info('Step-0 weights from train.init_from=%s, its step %d; fresh optimizer state.',
-                 path, meta.get('step'))
-  else:
-    raise errors.ConfigError(f'train.init_from={path!r} is neither an HF directory '
-                             '(config.json) nor a checkpoint directory with a committed step_N.')
-  for field in model.ARCHITECTURE_FIELDS:
-    if source[field] != cfg.model[field]:
-      raise errors.ConfigError(f'init_from={path}: the weights have {field}={source[field]!r}, '
-                               f'the config {cfg.model[field]!r}; set --config.model.{field} '
-                               'to match.')
-  return state._replace(params=jax.tree.map(jax.device_put, params, shardings.params))
+  compiled = jax.jit(init, out_shardings=shardings).lower(rng).compile()
+  stage("the state's init: compile")
+  return jax.block_until_ready(compiled(rng)), shardings  # its run: the caller's stage
 
 
 def restore_or_init(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh,
-                    ckpt: checkpoint.Checkpointer
+                    ckpt: checkpoint.Checkpointer, ahead: prefetch.Prefetch | None = None,
+                    stage: Any = lambda name: None
                     ) -> tuple[TrainState, dict[str, Any] | None]:
-  """(state, loader state): the latest good checkpoint's, else step 0's."""
+  """(state, loader state): the latest good checkpoint's (`ahead`: as far as it read it
+  already), else step 0's (`stage`: create_state's)."""
   if not ckpt.committed_steps():
-    state, shardings = create_state(cfg, tx, mesh, jax.random.key(cfg.train.seed))
+    state, shardings = create_state(cfg, tx, mesh, jax.random.key(cfg.train.seed), stage)
     if cfg.train.init_from:
-      state = load_init(cfg, tx, mesh, state, shardings)
+      state = init_from.load(cfg, abstract_state(cfg, tx, mesh), state, shardings)
     return state, None
   latest = ckpt.latest_step()
   with contextlib.suppress(checkpoint.CorruptCheckpointError):  # refused early; corrupt: below
     config_checks.check_same_run(cfg, checkpoint.read_metadata(ckpt.directory, latest))
   target = abstract_state(cfg, tx, mesh)
-  state, meta = ckpt.restore_latest_good(target)  # straight into its shards
+  state, meta = ckpt.restore_latest_good(target, prefetched=ahead)  # straight into its shards
   if meta['step'] != latest:
     config_checks.check_same_run(cfg, meta)
   if 'diverged' in meta:
@@ -254,6 +222,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
                             collector_paused=COLLECTOR_PAUSED, then='training prep')
   config_checks.validate(config_checks.complete(cfg))
   config_checks.check_sources(cfg)
+  # One process reads its latest checkpoint while the accelerator opens (seconds on a TPU).
+  ahead = (prefetch.Prefetch(storage.join(workdir, 'checkpoints'))
+           if host_sync.one_process() else None)
   mesh = account.timed('tpu initialization', sharding.make_mesh, cfg.train)  # before packing
   goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile
   cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
@@ -285,6 +256,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
     recovery = rollback.Recovery(cfg, workdir, ckpt)  # first: a killed rollback's leftovers
     state, data_state = account.timed('checkpoint restore' if ckpt.committed_steps() else
                                       'training prep', restore_or_init, cfg, tx, mesh, ckpt,
+                                      ahead, account.stage,
                                       stage='checkpoint restore, or the state\'s init')
     start = int(jax.device_get(state.opt_state.step))
 

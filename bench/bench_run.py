@@ -135,11 +135,13 @@ def analyse(recs: dict[int, dict], raw: list[dict], first: int, last: int, every
 
 
 def startup(stdout: str) -> dict:
-  m = re.search(r'time to first step ([\d.]+)s \(.*?\): (.*)', stdout)
+  m = re.search(r'time to first step ([\d.]+)s \(.*?\): (.*?)(?:; beside them, the train '
+                r'step compiled in ([\d.]+)s)?$', stdout, re.MULTILINE)
   if not m:
     return {}
   stages = {k: float(v) for k, v in re.findall(r'(?:^|, )(.+?) ([\d.]+)s(?=, |$)', m.group(2))}
-  return {'time_to_first_step_s': float(m.group(1)), 'stages': stages}
+  return {'time_to_first_step_s': float(m.group(1)), 'stages': stages,
+          'train_step_compile_beside_s': float(m.group(3)) if m.group(3) else None}
 
 
 def main() -> None:
@@ -188,7 +190,8 @@ def main() -> None:
   print(f"final save durable after {r['final_save_durable_s']} s")
   for name in ('run', 'resume'):
     st = result[name]
-    print(f"{name}: time to first step {st.get('time_to_first_step_s')} s: {st.get('stages')}")
+    print(f"{name}: time to first step {st.get('time_to_first_step_s')} s: {st.get('stages')}; "
+          f"the train step's compile, beside them: {st.get('train_step_compile_beside_s')} s")
   print(f"resume: checkpoint restore {result['resume']['restore_s']:.2f} s")
   print(goodput.line(account))
   print(f"load average before {load[0]:.2f}, after {result['load_after'][0]:.2f}")

@@ -62,6 +62,13 @@ class Sync:
     return self.client.blocking_key_value_get(key, TIMEOUT_MS)
 
 
+def one_process() -> bool:
+  """Whether this run is one process, known before a backend starts (after
+  sharding.init_distributed; jax.process_count() would start the backend)."""
+  state = jax_distributed.global_state  # see the import
+  return state.client is None or state.num_processes == 1
+
+
 def barrier(name: str) -> None:
   """Returns once every process has called it (a no-op for one process). Before a
   collective whose device group is new, after work whose time differs between hosts (a

@@ -104,6 +104,7 @@ class Account:
     self.latest: dict[str, float] = {}  # the seconds of each category's latest `phase`
     self.segments: list[dict[str, Any]] = []
     self.first_step_s: float | None = None
+    self.beside: float | None = None  # seconds the train step's compile took on its thread
     # Where the time to first step goes, in order: [what, seconds] for each stretch of one
     # category (its name), or of a named stage within one (`stage`); the first is the
     # process's own start (interpreter, imports) up to this account.
@@ -221,6 +222,7 @@ class Account:
             'pid': os.getpid(), 'processes': jax.process_count(),
             'seconds': self.now_seconds(now), 'segments': self.segments,
             'time to first step (s)': self.first_step_s, 'start-up (s)': self.stages,
+            'train step compile, beside (s)': self.beside,
             'exit_code': self.exit_code}
 
   def watch(self, saver: Any) -> Any:
@@ -284,6 +286,7 @@ class Account:
         waited = getattr(train_step, 'compile_wait_s', 0.0)  # compile_ahead's
         self.stages.append(['compile (waited for)', waited])
         self.stage_since += waited
+        self.beside = getattr(train_step, 'compile_s', None)
         self.first_step_done(step, out[1], writer)
     return out
 
@@ -312,7 +315,9 @@ class Account:
     self.stage('first step (trace, dispatch, run)')
     seconds = self.first_step()
     print(f'time to first step {seconds:.1f}s ({self.start_name} to step {step}): '
-          + ', '.join(f'{k} {v:.1f}s' for k, v in self.stages if v >= 0.05), flush=True)
+          + ', '.join(f'{k} {v:.1f}s' for k, v in self.stages if v >= 0.05)
+          + ('' if self.beside is None else
+             f'; beside them, the train step compiled in {self.beside:.1f}s'), flush=True)
     writer.write(step, {'goodput/time to first step (s)': seconds})
     self.resume_collector()
 
@@ -469,10 +474,12 @@ def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lam
   for the thread (atexit), after its error line is printed.
   """
   def compile_it():
+    began = time.perf_counter()
     try:
       memory = step.trace(*abstract_args).lower().compile().memory_analysis()
     except Exception:  # pylint: disable=broad-except
       return  # the first call meets it
+    call.compile_s = time.perf_counter() - began
     if memory is not None:  # the room a save's on-device copy must leave it
       offload.reserve(memory.temp_size_in_bytes)
   thread = threading.Thread(target=compile_it, name='compile ahead', daemon=True)
@@ -490,4 +497,5 @@ def compile_ahead(step: Any, *abstract_args: Any, then: Callable[[], None] = lam
       waiting.clear()
     return step(*args)
   call.compile_wait_s = 0.0
+  call.compile_s = None  # the compile's own seconds, once done: the start-up line's
   return call

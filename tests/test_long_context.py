@@ -20,6 +20,7 @@ from transformers import Olmo3Config, Olmo3ForCausalLM
 import checkpoint
 import config_checks
 from formats import hf_ckpt
+from formats import init_from
 import model
 import optim
 import sharding
@@ -199,7 +200,8 @@ def test_stage3_starts_from_stage2_with_moments_kept(tmp_path):
   mesh3 = sharding.make_mesh(cfg3.train, jax.devices()[:2])
   fresh, shardings = train.create_state(cfg3, optim.make_optimizer(cfg3.opt), mesh3,
                                         jax.random.key(1))
-  started = train.load_init(cfg3, optim.make_optimizer(cfg3.opt), mesh3, fresh, shardings)
+  tx3 = optim.make_optimizer(cfg3.opt)
+  started = init_from.load(cfg3, train.abstract_state(cfg3, tx3, mesh3), fresh, shardings)
   got, want = jax.device_get(started), jax.device_get(stage2)
   for a, b in zip(jax.tree.leaves((got.params, got.opt_state.mu, got.opt_state.nu)),
                   jax.tree.leaves((want.params, want.opt_state.mu, want.opt_state.nu))):

@@ -282,6 +282,7 @@ import checkpoint  # noqa: E402
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
+from formats import init_from  # noqa: E402
 from formats import olmo_core_ckpt as occ  # noqa: E402
 from formats import olmo_core_config as ocfg  # noqa: E402
 from formats import olmo_core_reader  # noqa: E402
@@ -440,7 +441,8 @@ def test_stage2_from_converted_stage1_restarts_like_olmo_core_midtrain(runs):
   # What train.init_from loads: the converted state, step and history reset.
   mesh = sharding.make_mesh(cfg.train)
   state, shardings = train.create_state(cfg, optim.make_optimizer(cfg.opt), mesh, jax.random.key(0))
-  init = train.load_init(cfg, optim.make_optimizer(cfg.opt), mesh, state, shardings)
+  init = init_from.load(cfg, train.abstract_state(cfg, optim.make_optimizer(cfg.opt), mesh),
+                        state, shardings)
   stage1 = _ours(runs['ours'], cfg1)
   for a, b in zip(jax.tree.leaves((init.params, init.opt_state.mu, init.opt_state.nu)),
                   jax.tree.leaves((stage1.params, stage1.opt_state.mu, stage1.opt_state.nu))):
