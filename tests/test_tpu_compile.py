@@ -98,9 +98,47 @@ def test_a_block_too_big_for_vmem_fails_the_mosaic_compile():
     _attention_grad('v4:1x1x1', 256, None, False, block=2048, t=2048)
 
 
-def test_plan_compiles_the_small_step_with_the_tpu_compiler():
-  proc = _plan(*SMALL_TPU, '--topology=v5e:2x2')
+# plan.py as it is, whose tpu_plan's Plans also go to the JSON file argv[1]: absl's app.run
+# is handed plan.py's main, through whose globals tpu_plan is wrapped before it runs.
+PLAN_RECORDER = '''
+import dataclasses, json, os, runpy, sys
+from absl import app
+out, sys.argv = sys.argv[1], [os.path.join({repo!r}, 'plan.py'), *sys.argv[2:]]
+sys.path.insert(0, {repo!r})
+run = app.run
+def recording_run(main, **kwargs):
+  names = main.__globals__
+  tpu_plan = names['tpu_plan']
+  def recorded(*args, **kw):
+    p = tpu_plan(*args, **kw)
+    with open(out, 'a') as f:
+      f.write(json.dumps(dataclasses.asdict(p)) + '\\n')
+    return p
+  names['tpu_plan'] = recorded
+  run(main, **kwargs)
+app.run = recording_run
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+@pytest.fixture(scope='module')
+def small_step(tmp_path_factory):
+  """plan.py's libtpu compile of the small step for a v5e:2x2: (the process, its Plan). One
+  compile (~30 s) for the command line's report and for the Plan's numbers."""
+  scratch = tmp_path_factory.mktemp('small_step')
+  recorder, out = scratch / 'record_plan.py', scratch / 'plans.jsonl'
+  recorder.write_text(PLAN_RECORDER.format(repo=str(REPO)))
+  proc = subprocess.run([sys.executable, str(recorder), str(out), *SMALL_TPU,
+                         '--topology=v5e:2x2'], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  (recorded,) = [json.loads(line) for line in out.read_text().splitlines()]
+  compiles = [plan.Compiled(**c) for c in recorded.pop('compiles')]
+  return proc, plan.Plan(**recorded, compiles=compiles)
+
+
+def test_plan_compiles_the_small_step_with_the_tpu_compiler(small_step):
+  proc, _ = small_step
   out = proc.stdout
   assert 'planning for v5e:2x2 with the TPU compiler (libtpu ' in out
   assert 'compiler    TPU: libtpu' in out and 'no extrapolation' in out
@@ -110,13 +148,15 @@ def test_plan_compiles_the_small_step_with_the_tpu_compiler():
   assert 'Failed to find host bounds' not in proc.stderr  # libtpu kept off the metadata server
 
 
-def test_tpu_arguments_are_the_sharded_state_and_batch():
+def test_tpu_arguments_are_the_sharded_state_and_batch(small_step):
+  # The Plan plan.tpu_plan made for the command above (SMALL_TPU), against this config.
   cfg = config_checks.complete(small.get_config())
   cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
   cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 1024, 512, 1
-  p = plan.tpu_plan(cfg, 'v5e:2x2')
+  _, p = small_step
   (c,) = p.compiles
   shape = {'data': 1, 'fsdp': 4, 'tensor': 1}
+  assert c.mesh_shape == shape and p.topology == 'v5e:2x2'
   params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)),
                                      shape)
   batch = 8 // 4 * (1024 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 2 rows
