@@ -75,6 +75,10 @@ class TrainState(NamedTuple):
 # --- The train state --------------------------------------------------------------------
 
 _INIT: dict[str, Any] = {}  # _init_fn's last answer and its key
+# XLA's constant folding of the random-number code's iotas took most of the init's compile,
+# and grows with the arrays: the 7B slice's 26.0 s on a TPU v5e host (libtpu here: 50.8 s
+# -> 9.3 s without the pass). The values are the same (tests/test_train.py).
+INIT_COMPILE = {'xla_disable_hlo_passes': 'constant_folding'}
 
 
 def _init_fn(cfg: ml_collections.ConfigDict, tx: Any) -> tuple[Any, TrainState]:
@@ -105,7 +109,7 @@ def create_state(cfg: ml_collections.ConfigDict, tx: Any, mesh: Mesh, rng: jax.A
   `stage(name)` is told when the init's compile ends (goodput.Account.stage)."""
   init, abstract = _init_fn(cfg, tx)
   shardings = sharding.state_shardings(abstract, mesh)
-  compiled = jax.jit(init, out_shardings=shardings).lower(rng).compile()
+  compiled = jax.jit(init, out_shardings=shardings).lower(rng).compile(INIT_COMPILE)
   stage("the state's init: compile")
   return jax.block_until_ready(compiled(rng)), shardings  # its run: the caller's stage
 

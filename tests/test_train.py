@@ -195,6 +195,18 @@ def test_the_train_step_is_traced_once(token_files, tmp_path, document_masking):
   assert traces == {'train_step': ['compile ahead'], 'eval_step': ['compile ahead']}
 
 
+def test_the_init_compiled_without_constant_folding_is_the_plain_init(token_files):
+  """create_state compiles the init with train.INIT_COMPILE (XLA's constant folding off: most
+  of its compile on a TPU); the state must equal a plain jit of model.init_params."""
+  cfg = tiny_config(token_files)
+  tx = optim.make_optimizer(cfg.opt)
+  state, _ = train.create_state(cfg, tx, sharding.make_mesh(cfg.train), jax.random.key(3))
+  plain = jax.jit(lambda rng: model.init_params(cfg.model, rng))(jax.random.key(3))
+  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert all(not np.asarray(m).any() for m in jax.tree.leaves(state.opt_state.mu))
+
+
 def test_logged_names_and_files(reference):
   workdir, metrics, _ = reference
   assert sorted(metrics) == list(range(1, STEPS + 1))
