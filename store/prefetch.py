@@ -45,21 +45,29 @@ def free_host_bytes() -> int | None:
   return None
 
 
-def read_step(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_step(path: str, reads: list[Any] | None = None,
+              stop: threading.Event | None = None
+              ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """(metadata.json's content, {array name: the whole array}) of the committed step
-  directory `path`, every chunk verified; raises what the restore would."""
+  directory `path`, every chunk verified; raises what the restore would. Each array's
+  tensorstore read is appended to `reads` as it is issued (to be cancelled); none is
+  issued once `stop` is set."""
   info = chunk_store.read_info(path)
   arrays, use_ocdbt = info['arrays'], info['use_ocdbt']
   context = ts.Context()
   opening = {name: ts.open(chunk_store.spec(path, name, use_ocdbt), open=True,
                            context=context) for name in arrays}
+  reads = [] if reads is None else reads
   with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
     loads = {}
     for name, future in opening.items():
       store = chunk_store.opened(path, name, arrays[name], use_ocdbt, future)
       box = tuple((0, n) for n in arrays[name]['shape'])
+      if stop is not None and stop.is_set():
+        raise RuntimeError('cancelled')
+      reads.append(store.read())
       loads[name] = pool.submit(chunk_store.load_box, path, name, store, box, arrays[name],
-                                store.read(), True, use_ocdbt)
+                                reads[-1], True, use_ocdbt)
     return info, {name: load.result() for name, load in loads.items()}
 
 
@@ -73,6 +81,8 @@ class Prefetch:
     self._arrays: dict[str, np.ndarray] | None = None
     self._seconds = 0.0
     self._thread: threading.Thread | None = None
+    self._reads: list[Any] = []  # the read's tensorstore futures (cancel)
+    self._stop = threading.Event()
     try:
       steps = step_dirs.committed_steps(directory)
       if not steps:
@@ -94,12 +104,14 @@ class Prefetch:
     self._thread = threading.Thread(target=self._read, args=(path,), daemon=True,
                                     name='checkpoint prefetch')
     self._thread.start()
-    atexit.register(self._thread.join)  # an exit mid-read must not tear tensorstore down under it
+    # A process that ends early (a refused resume, a workdir in use) stops the read rather
+    # than wait for it, but not before the thread has let go of tensorstore.
+    atexit.register(self.cancel)
 
   def _read(self, path: str) -> None:
     began = time.perf_counter()
     try:
-      self._info, self._arrays = read_step(path)
+      self._info, self._arrays = read_step(path, self._reads, self._stop)
     except Exception as e:  # pylint: disable=broad-except  # the restore meets it again
       self.why_not = f'step {self.step} could not be read ahead ({e})'
     self._seconds = time.perf_counter() - began
@@ -108,6 +120,14 @@ class Prefetch:
     """Until the read has ended (at once when nothing is read)."""
     if self._thread is not None:
       self._thread.join()
+
+  def cancel(self) -> None:
+    """Stops the read (what it read is dropped) and waits for its thread to end."""
+    self._stop.set()
+    for read in list(self._reads):
+      read.cancel()
+    self.wait()
+    self._arrays = None
 
   def take(self, step: int, info: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """The arrays of `step` if they were read and its metadata (`info`, as the restore

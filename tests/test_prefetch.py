@@ -137,3 +137,13 @@ def test_train_resumes_from_the_read_ahead_state(tmp_path, caplog, token_files):
   a, b = read_metrics(whole), read_metrics(parts)
   for step in (3, 4):
     assert b[step]['train/CE loss'] == a[step]['train/CE loss'], step
+
+
+def test_a_cancelled_read_hands_nothing_over_and_the_restore_reads(tmp_path):
+  """A process that ends before its restore (a refused resume) cancels the read at exit."""
+  _save(tmp_path, (2, 0))
+  ahead = prefetch.Prefetch(str(tmp_path))
+  ahead.cancel()
+  assert ahead.take(2, {}) is None
+  restored, _ = checkpoint.restore_latest_good(str(tmp_path), _target(), prefetched=ahead)
+  _equal(restored, _state(0)[1])
