@@ -62,21 +62,24 @@ def compilation_cache(tmp_path_factory):
 # `-n 2 --dist loadfile` hands each xdist worker whole files, in collection
 # order (pyproject's `--no-loadscope-reorder`; xdist would otherwise order them
 # by test count, which put the few-but-long multi-process files last, where one
-# worker ran them alone). Longest first, so both workers finish together; the
-# per-file times are in docs/results/tests.md. Files not listed follow in
-# their usual order.
-LONGEST_FIRST = ('test_storage_e2e.py', 'test_eval.py', 'test_train.py', 'test_tpu_compile.py',
-                 'test_kernels.py',
-                 'test_multihost.py', 'test_context_parallel.py', 'test_rollback.py',
-                 'test_rollback_multihost.py', 'test_launch.py', 'test_own_text.py',
-                 'test_faults.py', 'test_olmo_core_ckpt.py', 'test_storage_faults_exit.py',
-                 'test_in_loop_eval.py', 'test_reproduce.py', 'test_model.py', 'test_plan.py',
-                 'test_location_flags.py', 'test_storage.py', 'test_device_check.py',
-                 'test_tracking.py', 'test_goodput.py', 'test_held_out_multihost.py',
-                 'test_convert.py', 'test_remote_data.py', 'test_long_context.py',
-                 'test_audit.py', 'test_loss.py', 'test_optim.py', 'test_fetch_data.py',
-                 'test_run_messages.py', 'test_profile.py', 'test_prepare_data.py',
-                 'test_offload.py', 'test_bench_run.py', 'test_deploy.py')
+# worker ran them alone). Longest first, so both workers finish together: ordered by
+# each file's setup + call + teardown seconds in a full `--durations=0` run (from 444 s
+# for test_tpu_compile.py down; the machine was also running other tests, so only the
+# order counts). Files not listed follow in their usual order.
+LONGEST_FIRST = ('test_tpu_compile.py', 'test_storage_e2e.py', 'test_rollback.py',
+                 'test_kernels.py', 'test_context_parallel.py', 'test_launch.py',
+                 'test_eval.py', 'test_storage_faults_exit.py', 'test_own_text.py',
+                 'test_multihost.py', 'test_olmo_core_ckpt.py', 'test_reproduce.py',
+                 'test_train.py', 'test_model.py', 'test_rollback_multihost.py',
+                 'test_in_loop_eval.py', 'test_faults.py', 'test_device_check.py',
+                 'test_plan.py', 'test_goodput.py', 'test_location_flags.py', 'test_storage.py',
+                 'test_tracking.py', 'test_held_out_multihost.py', 'test_long_context.py',
+                 'test_deploy.py', 'test_remote_data.py', 'test_audit.py', 'test_loss.py',
+                 'test_bench_run.py', 'test_optim.py', 'test_checkpoint.py',
+                 'test_prepare_data.py', 'test_fetch_data.py', 'test_convert.py',
+                 'test_profile.py', 'test_run_messages.py', 'test_download.py',
+                 'test_token_files.py', 'test_events.py', 'test_sample.py', 'test_data.py',
+                 'test_offload.py')
 
 
 def pytest_collection_modifyitems(items):

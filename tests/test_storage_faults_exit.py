@@ -196,7 +196,13 @@ def outage_runs(tmp_path_factory):
     ended = {}
 
     def wait(operation):  # each run's own end, for its time bound
-      ended[operation] = (*finish(runs[operation][2]), time.monotonic())
+      proc = runs[operation][2]
+      try:
+        rc, output = finish(proc)
+      except subprocess.TimeoutExpired:  # its test fails on the exit code, with the output
+        proc.kill()
+        rc, output = 'timed out', ''.join(proc.communicate())
+      ended[operation] = (rc, output, time.monotonic())
     waiters = [threading.Thread(target=wait, args=(op,)) for op in runs]
     for w in waiters:
       w.start()
