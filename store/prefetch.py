@@ -14,7 +14,8 @@ raised: a step that is unreadable, damaged, too large for the host's free memory
 changed since it was read is left to the restore, which reads it again and reports or
 walks back as it always does (checkpoint.restore_latest_good). One process only: each
 process of a multi-process run reads just the chunks of its own devices, which are known
-once the devices are.
+once the devices are. A local or shared filesystem only: in a bucket the read would make
+a store that is down cost its retries twice.
 """
 
 import atexit
@@ -30,6 +31,7 @@ import tensorstore as ts
 
 from store import chunk_store
 from store import step_dirs
+from store import storage
 
 # The state may take at most this share of the host memory free at the start: the
 # restore's device copies, the loader and the compile still need room.
@@ -86,6 +88,9 @@ class Prefetch:
     self._thread: threading.Thread | None = None
     self._reads: list[Any] = []  # the read's tensorstore futures (cancel)
     self._stop = threading.Event()
+    if storage.is_url(directory):  # a store that is down must cost one retry budget, not two
+      self.why_not = 'a bucket: the restore reads it'
+      return
     try:
       steps = step_dirs.committed_steps(directory)
       if not steps:

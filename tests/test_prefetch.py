@@ -147,3 +147,8 @@ def test_a_cancelled_read_hands_nothing_over_and_the_restore_reads(tmp_path):
   assert ahead.take(2, {}) is None
   restored, _ = checkpoint.restore_latest_good(str(tmp_path), _target(), prefetched=ahead)
   _equal(restored, _state(0)[1])
+
+
+def test_a_bucket_is_left_to_the_restore():
+  ahead = prefetch.Prefetch('gs://bucket/run/checkpoints')  # no request is made
+  assert ahead.step is None and 'bucket' in ahead.why_not
