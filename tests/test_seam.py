@@ -35,6 +35,9 @@ ALLOWED = {
     ('store/download.py', '_local_path'): "'://': a download's source: a path or file:// is "
                                           'copied, http(s) and public bucket URLs are fetched over '
                                           'HTTP',
+    ('store/prefetch.py', 'Prefetch.__init__'): 'is_url: a checkpoint is read ahead from a '
+                                                'filesystem only; in a bucket a store that is '
+                                                'down would cost its retries twice',
     ('tokens/remote_tokens.py', 'probe'): "scheme: a token file's size is found by the request "
                                           'each protocol answers cheapest (HTTP Range, S3 error, '
                                           'GCS bisection)',
