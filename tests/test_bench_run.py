@@ -40,7 +40,10 @@ def test_tiny_run_reports_throughput_saves_and_start_up(tmp_path):
   assert 0 < save['durable_s'] < 60 and 0 < run['final_save_durable_s'] < 60
   for start in (run, resume):  # the stages the line lists add up to the time it names
     assert abs(sum(start['stages'].values()) - start['time_to_first_step_s']) < 0.5, start
-  assert "checkpoint restore, or the state's init" in resume['stages']
   assert 0 < resume['restore_s'] < resume['time_to_first_step_s']
+  # The line lists each stage of 0.05 s or more: the restore's, unless the checkpoint read
+  # ahead (store/prefetch.py) left it less.
+  assert (resume['restore_s'] < 0.05
+          or "checkpoint restore, or the state's init" in resume['stages']), resume
   assert r['goodput']['starts'] == 2 and r['run']['goodput']['starts'] == 1
   assert 'run throughput' in proc.stdout and 'save at step 10' in proc.stdout
