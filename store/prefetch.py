@@ -50,14 +50,12 @@ def free_host_bytes() -> int | None:
   return None
 
 
-def read_step(path: str, reads: list[Any] | None = None,
-              stop: threading.Event | None = None
-              ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """(metadata.json's content, {array name: the whole array}) of the committed step
-  directory `path`, every chunk verified; raises what the restore would. Each array's
-  tensorstore read is appended to `reads` as it is issued (to be cancelled); none is
-  issued once `stop` is set."""
-  info = chunk_store.read_info(path)
+def read_step(path: str, info: dict[str, Any], reads: list[Any] | None = None,
+              stop: threading.Event | None = None) -> dict[str, np.ndarray]:
+  """{array name: the whole array} of the committed step directory `path` (`info`: its
+  metadata.json, chunk_store.read_info's), every chunk verified against it; raises what
+  the restore would. Each array's tensorstore read is appended to `reads` as it is issued
+  (to be cancelled); none is issued once `stop` is set."""
   arrays, use_ocdbt = info['arrays'], info['use_ocdbt']
   context = ts.Context()
   opening = {name: ts.open(chunk_store.spec(path, name, use_ocdbt), open=True,
@@ -73,7 +71,7 @@ def read_step(path: str, reads: list[Any] | None = None,
       reads.append(store.read())
       loads[name] = pool.submit(chunk_store.load_box, path, name, store, box, arrays[name],
                                 reads[-1], True, use_ocdbt)
-    return info, {name: load.result() for name, load in loads.items()}
+    return {name: load.result() for name, load in loads.items()}
 
 
 class Prefetch:
@@ -98,7 +96,7 @@ class Prefetch:
         return
       path = step_dirs.committed_dir(directory, steps[-1])
       info = chunk_store.read_info(path)
-      nbytes = sum(int(np.prod(a['shape'])) * np.dtype(ts.dtype(a['dtype']).numpy_dtype).itemsize
+      nbytes = sum(int(np.prod(a['shape'])) * ts.dtype(a['dtype']).numpy_dtype.itemsize
                    for a in info['arrays'].values())
     except Exception as e:  # pylint: disable=broad-except  # the restore meets it again
       self.why_not = f'its metadata could not be read ({e})'
@@ -109,6 +107,7 @@ class Prefetch:
                       f'of the host memory free ({free / 1e9:.2f} GB)')
       return
     self.step = steps[-1]
+    self._info = info  # what the read is checked against, and `take` compares
     self._thread = threading.Thread(target=self._read, args=(path,), daemon=True,
                                     name='checkpoint prefetch')
     self._thread.start()
@@ -119,7 +118,7 @@ class Prefetch:
   def _read(self, path: str) -> None:
     began = time.perf_counter()
     try:
-      self._info, self._arrays = read_step(path, self._reads, self._stop)
+      self._arrays = read_step(path, self._info, self._reads, self._stop)
     except Exception as e:  # pylint: disable=broad-except  # the restore meets it again
       self.why_not = f'step {self.step} could not be read ahead ({e})'
     self._seconds = time.perf_counter() - began
