@@ -8,8 +8,8 @@ checkpoint.WorkdirLock and checkpoint.WorkdirLockedError are these names.
 On a filesystem it is an flock, which the kernel drops when its holder dies.
 In a gs:// or s3:// bucket there is no such thing, so it is a lease: LOCK is
 created only if it does not exist (a conditional write), and its holder
-rewrites it every LEASE_SECONDS / 4 (conditional on its own last write). A
-LOCK not renewed for LEASE_SECONDS, or naming a process of this host that is
+rewrites it every quarter of its lease (conditional on its own last write). A
+LOCK not renewed for a lease (lease_seconds()), or naming a process of this host that is
 no longer running (a killed trainer restarted by the launcher), is stale and
 taken over, again by a conditional write, so two runs never both win.
 A renewal the store fails after the client's retries (or one that finds LOCK
@@ -32,7 +32,12 @@ import errors
 from store import storage
 
 LOCK = 'LOCK'
-LEASE_SECONDS = float(os.environ.get('OLMO_LOCK_LEASE_SECONDS', 300))
+
+
+def lease_seconds() -> float:
+  """A bucket lease's length: 300 s, or OLMO_LOCK_LEASE_SECONDS (read when used)."""
+  return float(os.environ.get('OLMO_LOCK_LEASE_SECONDS', 300))
+
 _HELD: dict[str, '_Lease'] = {}  # this process's bucket leases, by workdir
 
 
@@ -173,9 +178,9 @@ def _parsed(text: bytes) -> dict | None:
 
 def _stale_because(holder: dict) -> str:
   """Why a bucket LOCK's holder is gone ('' while it holds the lease)."""
-  age = time.time() - float(holder.get('renewed', 0))
-  if age > LEASE_SECONDS:
-    return f'not renewed for {age:.0f} s (lease {LEASE_SECONDS:.0f} s)'
+  age, lease = time.time() - float(holder.get('renewed', 0)), lease_seconds()
+  if age > lease:
+    return f'not renewed for {age:.0f} s (lease {lease:.0f} s)'
   if holder.get('host') == socket.gethostname():
     try:
       os.kill(int(holder['pid']), 0)
@@ -220,7 +225,7 @@ class _Lease:
     (its replacement has another name): the lease is waited out, checking every few
     seconds whether it is renewed (a live run: refused) or released.
     """
-    holder, announced = _parsed(text), False
+    holder, announced, lease = _parsed(text), False, lease_seconds()
     while True:
       if not isinstance(holder, dict) or not {'host', 'pid', 'started'} <= holder.keys():
         logging.warning('Taking over %s: unrecognised contents %r.', self.path, text[:200])
@@ -237,15 +242,15 @@ class _Lease:
             f'Workdir {self.workdir} is in use by another training run ({who}; lock '
             f'{self.path}, renewed {age:.0f} s ago). Two runs in one workdir would overwrite '
             "each other's checkpoints. Wait for that run to end or stop it, or use another "
-            f'--workdir (a lock not renewed for {LEASE_SECONDS:.0f} s is taken over).')
+            f'--workdir (a lock not renewed for {lease:.0f} s is taken over).')
       if not announced:
         logging.warning(
             'Workdir %s is held by %s (lock %s, renewed %.0f s ago), another host: waiting up '
             'to %.0f s for the lease to expire (a host replaced after a preemption leaves its '
             'lease behind), and refusing to start if its holder renews it.', self.workdir,
-            who, self.path, age, max(0.0, LEASE_SECONDS - age))
+            who, self.path, age, max(0.0, lease - age))
         announced = True
-      time.sleep(min(5.0, LEASE_SECONDS / 20, max(0.1, LEASE_SECONDS - age + 0.1)))
+      time.sleep(min(5.0, lease / 20, max(0.1, lease - age + 0.1)))
       new_text, new_generation = storage.read_versioned(self.path)
       if new_generation == generation:
         continue
@@ -255,7 +260,8 @@ class _Lease:
       announced = 'renewed'  # renewed or taken by a live run: refused above
 
   def _renew(self) -> None:
-    while not self._stop.wait(LEASE_SECONDS / 4):
+    lease = lease_seconds()
+    while not self._stop.wait(lease / 4):
       self.holder['renewed'] = time.time()
       try:
         generation = storage.write(self.path, json.dumps(self.holder).encode(),
@@ -273,7 +279,7 @@ class _Lease:
       if generation is None:
         self.failure = WorkdirLockedError(
             f'Lost the workdir lock {self.path}: another run took it over after this one '
-            f'failed to renew it for {LEASE_SECONDS:.0f} s, so this one stops before the two '
+            f'failed to renew it for {lease:.0f} s, so this one stops before the two '
             "write over each other's checkpoints.")
         logging.error('%s', self.failure)
         return

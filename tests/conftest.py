@@ -1,6 +1,6 @@
-"""Test setup: 8 simulated CPU devices and the run's XLA flags (set before JAX is
-imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, one persistent
-compilation cache for the whole run, and the tests' Python children forked by
+"""Test setup: 8 simulated CPU devices, the CPU platform and the run's XLA flags (set
+before JAX is imported), one OpenBLAS thread, strict ranks, rarer cyclic collections, one
+persistent compilation cache for the whole run, and the tests' Python children forked by
 tests/zygote.py."""
 
 import gc
@@ -14,6 +14,10 @@ from xla_flags import TEST_FLAGS
 os.environ['XLA_FLAGS'] = (f"--xla_force_host_platform_device_count=8 {TEST_FLAGS} "
                            f"{os.environ.get('XLA_FLAGS', '')}").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Every process of the run on the CPU by name: unset, JAX in each child would also look for
+# TPU chips (libtpu is in the test extra), and the children that name it (the trainers'
+# environment) and those that do not could not share a zygote (tests/zygote.py).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # One OpenBLAS thread per process (numpy's, read when numpy loads): the two xdist workers
 # already fill the two cores, and idle BLAS threads spinning cost each JAX child ~6% of
 # its CPU (paired runs of a tiny train.py; docs/results/tests.md).

@@ -659,11 +659,18 @@ def test_a_second_suite_is_added_to_the_steps_report_not_written_over_it(tmp_pat
   first = run_eval(f'--checkpoint={ckpt_dir}', '--suite=heldout')
   assert first.returncode == 0, first.stderr[-3000:]
   heldout = json.loads(report_path.read_text())['heldout']
-  second = run_eval(f'--checkpoint={ckpt_dir}', '--suite=paloma', '--dtype=bfloat16')
+  # Two short domains of our own: the default plays (89k tokens) cost 13 CPU-seconds here.
+  (tmp_path / 'paloma' / 'verse').mkdir(parents=True)
+  for name, text in (('sonnet', 'Shall I compare thee to a summer\'s day?\n' * 8),
+                     ('song', 'Tell me where is fancy bred, or in the heart or in the head?\n')):
+    (tmp_path / 'paloma' / 'verse' / f'{name}.txt').write_text(text)
+  second = run_eval(f'--checkpoint={ckpt_dir}', '--suite=paloma', '--dtype=bfloat16',
+                    f"--paloma_dir={tmp_path / 'paloma'}")
   assert second.returncode == 0, second.stderr[-3000:]
   assert 'kept the earlier heldout results of this step' in second.stdout
   report = json.loads(report_path.read_text())
-  assert report['heldout'] == heldout and 'paloma' in report
+  assert report['heldout'] == heldout and set(report['paloma']['domains']) == {
+      'verse/song', 'verse/sonnet'}
   assert report['suites']['heldout']['dtype'] == 'float32'
   assert report['suites']['paloma']['dtype'] == 'bfloat16' == report['dtype']
   table = report_path.with_suffix('.txt').read_text()

@@ -37,11 +37,12 @@ import train
 from configs import small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# A small model the TPU kernel takes (head_dim 128), bf16 like the 7B, on a v5e:2x2.
+# A small model the TPU kernel takes (head_dim 128), bf16 like the 7B, on a v5e:2x2. Its
+# 512 tokens, not 1,024: libtpu compiles the step in 19 s instead of 25 (one run each).
 SMALL_TPU = ['--config=configs/small.py', '--config.model.head_dim=128',
              '--config.model.num_heads=2', '--config.model.num_kv_heads=2',
-             '--config.model.dtype=bfloat16', '--config.data.seq_len=1024',
-             '--config.model.sliding_window=512', '--config.train.micro_batch_size=1']
+             '--config.model.dtype=bfloat16', '--config.data.seq_len=512',
+             '--config.model.sliding_window=256', '--config.train.micro_batch_size=1']
 
 
 def _plan(*args, env=None, timeout=600):
@@ -97,10 +98,11 @@ def test_mosaic_compiles_the_kernels_at_the_block_tables_sizes(topology, head_di
 def test_a_block_too_big_for_vmem_fails_the_mosaic_compile():
   # 2048 x 2048 f32 logits tiles are 16 MiB each: more than a v4 core's VMEM limit.
   # What the lowering in test_kernels.py accepts, libtpu's compile refuses. The forward
-  # kernel alone: the gradient's compile is refused for the same kernel (the same "31.84M
-  # of 16.00M vmem" in its message), in over twice the time (53 s against 20 s, one run).
+  # kernel alone, at head_dim 128: the gradient's compile is refused for the same kernel,
+  # in over twice the time (53 s against 20 s, one run), and head_dim 256 took 13.6 s
+  # against 8.0 s to be refused ("31.84M" and "25.84M of 16.00M vmem").
   with pytest.raises(jax.errors.JaxRuntimeError, match='memory space vmem'):
-    _attention_grad('v4:1x1x1', 256, None, False, block=2048, t=2048, backward=False)
+    _attention_grad('v4:1x1x1', 128, None, False, block=2048, t=2048, backward=False)
 
 
 # plan.py as it is, whose tpu_plan's Plans also go to the JSON file argv[1]: absl's app.run
@@ -128,14 +130,15 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 
 @pytest.fixture(scope='module')
 def small_step(tmp_path_factory):
-  """plan.py's libtpu compile of the small step for a v5e:2x2: (the process, its Plan). One
-  compile (~30 s) for the command line's report and for the Plan's numbers."""
+  """plan.py's libtpu compile of the small step for a v5e:2x2, its attention output
+  offloaded to host memory: (the process, its Plan). One compile (~20-40 s) for the command
+  line's report, the Plan's numbers and the policy sweep's row."""
   scratch = tmp_path_factory.mktemp('small_step')
   recorder, out = scratch / 'record_plan.py', scratch / 'plans.jsonl'
   recorder.write_text(PLAN_RECORDER.format(repo=str(REPO)))
   proc = subprocess.run([sys.executable, str(recorder), str(out), *SMALL_TPU,
-                         '--topology=v5e:2x2'], cwd=REPO, capture_output=True, text=True,
-                        timeout=600)
+                         '--config.model.remat=attn@host', '--topology=v5e:2x2'], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (recorded,) = [json.loads(line) for line in out.read_text().splitlines()]
   compiles = [plan.Compiled(**c) for c in recorded.pop('compiles')]
@@ -150,6 +153,7 @@ def test_plan_compiles_the_small_step_with_the_tpu_compiler(small_step):
   assert "compiled    4 devices, mesh {'data': 1, 'fsdp': 4, 'tensor': 1}, 2 micro-batches" in out
   assert 'compiled by libtpu: flash_attention_fwd, flash_attention_dkv' in out  # fused
   assert 'stand-in' not in out and 'TPU v5e    16 GB: fits' in out
+  assert 'remat attn@host' in out and 'offloaded activations 0.000 ' not in out
   assert 'Failed to find host bounds' not in proc.stderr  # libtpu kept off the metadata server
 
 
@@ -157,14 +161,14 @@ def test_tpu_arguments_are_the_sharded_state_and_batch(small_step):
   # The Plan plan.tpu_plan made for the command above (SMALL_TPU), against this config.
   cfg = config_checks.complete(small.get_config())
   cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
-  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 1024, 512, 1
+  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 512, 256, 1
   _, p = small_step
   (c,) = p.compiles
   shape = {'data': 1, 'fsdp': 4, 'tensor': 1}
   assert c.mesh_shape == shape and p.topology == 'v5e:2x2'
   params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)),
                                      shape)
-  batch = 8 // 4 * (1024 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 2 rows
+  batch = 8 // 4 * (512 * 4 * 2 + 1)  # tokens and labels int32, the bool mask: 2 rows
   # Less what the step never reads (last step's lr, grad_norm, skipped: pruned as on
   # CPU), plus the TPU's tile padding of small arrays (norm scales, scalars): a few KB.
   assert abs(c.argument - (params + opt + batch)) < 1e-3 * c.argument
@@ -294,22 +298,22 @@ def test_splash_peer_compiles_for_the_v5e():
   assert 'tpu_custom_call' in compiled.as_text()
 
 
-@pytest.mark.parametrize('groups', [1, 2])
-def test_full_remat_recomputes_the_forward_also_unscanned(groups):
+def test_full_remat_recomputes_the_forward_also_unscanned():
   """A model of one layer-pattern period is not scanned; its remat must still happen.
 
   Without an optimisation barrier libtpu merged the lone group's recomputation with its
   forward: every policy compiled to the flops (and, on a v5e, the time) of 'none'. A
-  recomputed forward adds about half of the backward's matmul flops.
+  recomputed forward adds about half of the backward's matmul flops. (The scanned model's
+  remat: test_each_named_policy_saves_what_it_names, whose bounds have two groups.)
   """
   mesh = Mesh(plan.tpu_devices('v5e:1x1')[:1], ('x',))
   replicated = NamedSharding(mesh, P())
-  tokens = jnp.zeros((4, 256), jnp.int32)
+  tokens = jnp.zeros((1, 256), jnp.int32)  # one row: a third of (4, 256)'s compile time
   flops = {}
   for policy in ('none', 'full'):
     cfg = config_checks.complete(small.get_config()).model
     cfg.update(vocab_size=256, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32,
-               mlp_hidden=512, num_layers=2 * groups, layer_pattern='SF', sliding_window=64,
+               mlp_hidden=512, num_layers=2, layer_pattern='SF', sliding_window=64,
                remat=policy, attention_impl='xla')
     shapes = jax.eval_shape(lambda cfg=cfg: model.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
@@ -321,6 +325,9 @@ def test_full_remat_recomputes_the_forward_also_unscanned(groups):
   assert flops['full'] > 1.2 * flops['none'], flops
 
 
+REMAT_T = 512
+
+
 def _remat_compile(policy: str, mesh: Mesh) -> tuple[float, int, int, int]:
   """(XLA flops, temp bytes, host temp bytes, forward kernels) of a 2-group bf16 model's
   gradient under `policy`, compiled by libtpu with the Pallas kernel."""
@@ -329,11 +336,13 @@ def _remat_compile(policy: str, mesh: Mesh) -> tuple[float, int, int, int]:
   cfg.update(vocab_size=512, d_model=256, num_heads=2, num_kv_heads=2, head_dim=128,
              mlp_hidden=768, num_layers=4, layer_pattern='SF', sliding_window=256,
              remat=policy, attention_impl='pallas', dtype='bfloat16')
+  # 512 tokens: libtpu compiles each policy in 5-6 s, against 8-10 s at 1,024 (and at 256
+  # 'none' keeps no temporaries to compare the save lists' with).
   model.validate(cfg)
   shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
                         shapes)
-  tokens = jnp.zeros((1, 1024), jnp.int32)
+  tokens = jnp.zeros((1, REMAT_T), jnp.int32)
   loss = lambda p: jnp.mean(model.logits(p, tokens, cfg).astype(jnp.float32) ** 2)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     compiled = jax.jit(jax.grad(loss)).lower(params).compile()
@@ -361,29 +370,45 @@ def test_each_named_policy_saves_what_it_names(remat_bounds, policy):
   (none_flops, none_temp, _, none_forward), (full_flops, _, _, full_forward) = (
       bounds['none'], bounds['full'])
   assert none_flops < flops < full_flops, (flops, none_flops, full_flops)
+  assert full_flops > 1.2 * none_flops  # the scanned groups' forward recomputed in full
   assert temp < none_temp
   # Two layers: the forward kernel runs twice, and twice more where it is recomputed.
   assert (none_forward, full_forward) == (2, 4)
   assert forward == (2 if 'attn' in policy else 4)
   assert (host > 0) == ('@host' in policy)
   if policy == 'save_qkv':  # the q, k and v matmuls of the group's 2 layers
-    d, t = 256, 1024  # (XLA counts a scan's body once, whatever its trip count)
+    d, t = 256, REMAT_T  # (XLA counts a scan's body once, whatever its trip count)
     assert full_flops - flops == pytest.approx(2 * (2 * t * d * 3 * d), rel=0.02)
 
 
-@pytest.mark.slow  # one libtpu compile of the small step: ~30 s
-def test_plan_sweeps_remat_policies_with_host_memory_per_host():
-  proc = _plan(*SMALL_TPU, '--topology=v5e:2x2', '--policies=attn@host')
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  row = next(line.split() for line in proc.stdout.splitlines()
-             if line.split() and line.split()[0] == 'attn@host')
+def test_plan_sweeps_remat_policies_with_host_memory_per_host(small_step, monkeypatch,
+                                                             capsys):
+  """The sweep's row from libtpu's plan of the same step (the fixture's compile of
+  attn@host: the sweep would compile exactly that program again)."""
+  _, compiled = small_step
   cfg = config_checks.complete(small.get_config())
-  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2)
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
+  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 512, 256, 1
+  planned = []
+
+  def tpu_plan(one, topology):
+    planned.append((one.model.remat, topology))
+    return compiled
+  monkeypatch.setattr(plan, 'tpu_plan', tpu_plan)
+  ((policy, _),) = plan.sweep(cfg, 'v5e:2x2', ['attn@host'], budget_gb=15)
+  out = capsys.readouterr().out
+  assert planned == [('attn@host', 'v5e:2x2')] and cfg.model.remat == 'none'
+  row = next(line.split() for line in out.splitlines()
+             if line.split() and line.split()[0] == 'attn@host')
   params, opt = sharding.state_bytes(train.abstract_state(cfg, optim.make_optimizer(cfg.opt)),
                                      {'data': 1, 'fsdp': 4, 'tensor': 1})
   # host GB per host: 4 devices' state copies, plus the offloaded attention output.
   assert float(row[2]) > 4 * (params + opt) / 1e9 and row[-1] == 'yes'
-  assert "least recomputation that fits: --config.model.remat='attn@host'" in proc.stdout
+  assert "least recomputation that fits: --config.model.remat='attn@host'" in out
+  # The same Plan over the per-device budget: no policy fits.
+  plan.sweep(cfg, 'v5e:2x2', ['attn@host'], budget_gb=compiled.peak_bytes / 2 / plan.GB)
+  out = capsys.readouterr().out
+  assert out.splitlines()[-2].split()[-1] == 'no' and 'no policy fits' in out
 
 
 def test_a_policy_whose_offload_outgrows_the_host_is_refused():

@@ -58,6 +58,14 @@ PRELOAD = ('train', 'convert', 'plan', 'evaluation.scoring')
 # each variable Python code read while the zygote imported (it records them).
 NATIVE_PREFIXES = ('PYTHON', 'LD_', 'MALLOC', 'GLIBC', 'OPENBLAS', 'OMP_', 'MKL', 'TF_',
                    'TSL_', 'JAX_', 'TENSORSTORE', 'GRPC_', 'TPU_', 'CUDA', 'NCCL')
+# Native variables read only when first used, never while importing: a zygote (which only
+# imports) has not read them, so its children may differ in them. tensorstore reads the GCS
+# endpoint when its GCS driver first forms a URL (kvstore/gcs: GetGcsBaseUrl) and the curl
+# timeouts when it makes its first HTTP transport (internal/curl: DefaultConfig). Each
+# storage test's fault proxy is an endpoint of its own: matched on, every proxy's trainers
+# needed a zygote of their own (16 zygotes for the storage files' 73 forked children).
+READ_AT_FIRST_USE = frozenset({'TENSORSTORE_GCS_HTTP_URL', 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS',
+                               'TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES'})
 MAX_ZYGOTES = 3  # per test process; each holds ~250 MB, mostly shared with its children
 STATS = {'forked': 0, 'afresh': 0, 'zygotes': 0}
 PAUSED = [False]  # set while a test marked `fresh_interpreter` runs (conftest.py)
@@ -138,8 +146,12 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
   return None
 
 
+def _is_native(name: str) -> bool:
+  return name.startswith(NATIVE_PREFIXES) and name not in READ_AT_FIRST_USE
+
+
 def _native(env: dict[str, str]) -> tuple:
-  return tuple(sorted((k, v) for k, v in env.items() if k.startswith(NATIVE_PREFIXES)))
+  return tuple(sorted((k, v) for k, v in env.items() if _is_native(k)))
 
 
 def _zygote_for(env: dict[str, str]) -> 'Zygote | None':
@@ -176,7 +188,7 @@ class Zygote:
   def serves(self, env: dict[str, str]) -> bool:
     if not self._ready():
       return False
-    names = self.read | {k for k in (*env, *self.env) if k.startswith(NATIVE_PREFIXES)}
+    names = self.read | {k for k in (*env, *self.env) if _is_native(k)}
     return all(env.get(k) == self.env.get(k) for k in names)
 
   def _ready(self, timeout: float = 120) -> bool:
