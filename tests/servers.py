@@ -41,6 +41,8 @@ from typing import Iterator
 
 import pytest
 
+from fault_proxy import ThreadingServer
+
 
 class ServerUnavailable(RuntimeError):
   """The server's program is not installed (the fixtures skip the test)."""
@@ -314,12 +316,6 @@ def _handler(directory: str, stats: HttpStats, ranges: bool, lock: threading.Loc
   return Handler
 
 
-class _Server(http.server.ThreadingHTTPServer):
-  # The client opens a connection per concurrent request: with socketserver's backlog of 5
-  # the kernel drops the rest of a burst, and each dropped connect waits 1 s to retry.
-  request_queue_size = 256
-
-
 @contextlib.contextmanager
 def http_server(directory: str, *, ranges: bool = True, fail_first: int = 0,
                 fail_status: int = 503) -> Iterator[tuple[str, HttpStats]]:
@@ -330,8 +326,7 @@ def http_server(directory: str, *, ranges: bool = True, fail_first: int = 0,
   stats.fail_first = n) get `fail_status`.
   """
   stats = HttpStats(fail_first=fail_first, fail_status=fail_status)
-  server = _Server(('127.0.0.1', 0), _handler(directory, stats, ranges, threading.Lock()))
-  server.daemon_threads = True
+  server = ThreadingServer(('127.0.0.1', 0), _handler(directory, stats, ranges, threading.Lock()))
   thread = threading.Thread(target=server.serve_forever, daemon=True, name='http-server')
   thread.start()
   try:
