@@ -59,7 +59,9 @@ class FaultProxy:
 
     class Handler(http.server.BaseHTTPRequestHandler):
       protocol_version = 'HTTP/1.1'
-      disable_nagle_algorithm = True  # headers and body go in two writes (see above)
+      # The headers and the body are two writes: without TCP_NODELAY the second could wait
+      # for the client's (delayed) acknowledgement of the first.
+      disable_nagle_algorithm = True
 
       def log_message(self, *args):  # quiet
         pass

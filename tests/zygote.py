@@ -15,7 +15,8 @@ afresh instead:
   * The environment a zygote imported under: a zygote serves only children that
     agree with it on every variable Python code read while it imported (it
     records them: JAX's options, workdir_lock's lease, TMPDIR, ...) and on every
-    variable native code may read as it loads (NATIVE_PREFIXES). Another
+    variable native code may read as it loads (NATIVE_PREFIXES, less the few
+    read only when first used: READ_AT_FIRST_USE). Another
     environment gets a zygote of its own (at most MAX_ZYGOTES, the oldest stopped);
     one whose zygote could not start (an import started a thread) gets none.
   * Only `python FILE` with FILE in the repository root, and `python -c` run from
@@ -64,7 +65,8 @@ NATIVE_PREFIXES = ('PYTHON', 'LD_', 'MALLOC', 'GLIBC', 'OPENBLAS', 'OMP_', 'MKL'
 # timeouts when it makes its first HTTP transport (internal/curl: DefaultConfig). Each
 # storage test's fault proxy is an endpoint of its own: matched on, every proxy's trainers
 # needed a zygote of their own (16 zygotes for the storage files' 73 forked children).
-READ_AT_FIRST_USE = frozenset({'TENSORSTORE_GCS_HTTP_URL', 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS',
+READ_AT_FIRST_USE = frozenset({'TENSORSTORE_GCS_HTTP_URL',
+                               'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS',
                                'TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES'})
 MAX_ZYGOTES = 3  # per test process; each holds ~250 MB, mostly shared with its children
 STATS = {'forked': 0, 'afresh': 0, 'zygotes': 0}
