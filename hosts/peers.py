@@ -20,8 +20,11 @@ process is lost, so a slow host is never judged dead here.
 
 A peer killed on a live host closes its sockets, and a gloo collective fails at
 once with a Python exception ('Connection closed by peer') before the service
-decides. `exits` holds such an exception back, up to the heartbeat timeout, for
-the service's verdict; without one it goes on as the crash it is.
+decides; so does a key-value call (host_sync's broadcast in a checkpoint save)
+when the killed peer is process 0, whose coordination service it asked
+('UNAVAILABLE: Socket closed'). `exits` holds such an exception back, up to the
+heartbeat timeout, for the service's verdict; without one it goes on as the
+crash it is.
 """
 
 import atexit
@@ -38,8 +41,9 @@ from absl import logging
 import errors
 
 KEY = 'olmo3_alive'  # key-value directory of the processes' counters
-# A gloo collective whose peer's socket closed: the peer died (its host may live on).
-PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
+# A gloo collective whose peer's socket closed, or a key-value call to the coordination
+# service whose process 0 closed it: that peer died (its host may live on).
+PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Socket closed')
 _TERMINATE = ctypes.CFUNCTYPE(None)
 
 
