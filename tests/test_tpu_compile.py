@@ -45,6 +45,14 @@ SMALL_TPU = ['--config=configs/small.py', '--config.model.head_dim=128',
              '--config.model.sliding_window=256', '--config.train.micro_batch_size=1']
 
 
+def _small_tpu_config():
+  """SMALL_TPU's config, as plan.py completes it from those flags."""
+  cfg = config_checks.complete(small.get_config())
+  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
+  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 512, 256, 1
+  return cfg
+
+
 def _plan(*args, env=None, timeout=600):
   return subprocess.run([sys.executable, 'plan.py', *args], cwd=REPO, capture_output=True,
                         text=True, timeout=timeout, env=env)
@@ -159,9 +167,7 @@ def test_plan_compiles_the_small_step_with_the_tpu_compiler(small_step):
 
 def test_tpu_arguments_are_the_sharded_state_and_batch(small_step):
   # The Plan plan.tpu_plan made for the command above (SMALL_TPU), against this config.
-  cfg = config_checks.complete(small.get_config())
-  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
-  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 512, 256, 1
+  cfg = _small_tpu_config()
   _, p = small_step
   (c,) = p.compiles
   shape = {'data': 1, 'fsdp': 4, 'tensor': 1}
@@ -325,6 +331,8 @@ def test_full_remat_recomputes_the_forward_also_unscanned():
   assert flops['full'] > 1.2 * flops['none'], flops
 
 
+# 512 tokens: libtpu compiles each policy in 5-6 s, against 8-10 s at 1,024 (and at 256
+# 'none' keeps no temporaries to compare the save lists' with).
 REMAT_T = 512
 
 
@@ -336,8 +344,6 @@ def _remat_compile(policy: str, mesh: Mesh) -> tuple[float, int, int, int]:
   cfg.update(vocab_size=512, d_model=256, num_heads=2, num_kv_heads=2, head_dim=128,
              mlp_hidden=768, num_layers=4, layer_pattern='SF', sliding_window=256,
              remat=policy, attention_impl='pallas', dtype='bfloat16')
-  # 512 tokens: libtpu compiles each policy in 5-6 s, against 8-10 s at 1,024 (and at 256
-  # 'none' keeps no temporaries to compare the save lists' with).
   model.validate(cfg)
   shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
@@ -386,17 +392,16 @@ def test_plan_sweeps_remat_policies_with_host_memory_per_host(small_step, monkey
   """The sweep's row from libtpu's plan of the same step (the fixture's compile of
   attn@host: the sweep would compile exactly that program again)."""
   _, compiled = small_step
-  cfg = config_checks.complete(small.get_config())
-  cfg.model.update(head_dim=128, num_heads=2, num_kv_heads=2, dtype='bfloat16')
-  cfg.data.seq_len, cfg.model.sliding_window, cfg.train.micro_batch_size = 512, 256, 1
+  cfg = _small_tpu_config()
   planned = []
 
   def tpu_plan(one, topology):
     planned.append((one.model.remat, topology))
     return compiled
   monkeypatch.setattr(plan, 'tpu_plan', tpu_plan)
-  ((policy, _),) = plan.sweep(cfg, 'v5e:2x2', ['attn@host'], budget_gb=15)
+  plans = plan.sweep(cfg, 'v5e:2x2', ['attn@host'], budget_gb=15)
   out = capsys.readouterr().out
+  assert [policy for policy, _ in plans] == ['attn@host']
   assert planned == [('attn@host', 'v5e:2x2')] and cfg.model.remat == 'none'
   row = next(line.split() for line in out.splitlines()
              if line.split() and line.split()[0] == 'attn@host')
