@@ -10,14 +10,22 @@ In a gs:// or s3:// bucket there is no such thing, so it is a lease: LOCK is
 created only if it does not exist (a conditional write), and its holder
 rewrites it every quarter of its lease (conditional on its own last write). A
 LOCK not renewed for a lease (lease_seconds()), or naming a process of this host that is
-no longer running (a killed trainer restarted by the launcher), is stale and
-taken over, again by a conditional write, so two runs never both win.
+no longer running (a killed trainer restarted by the launcher, or by its container
+runtime), is stale and taken over, again by a conditional write, so two runs never
+both win.
+
+A holder is more than host + PID: in a container both repeat across a restart (an
+Indexed Job's pod keeps its hostname, the trainer is PID 1 each time), and the dead
+holder's PID is then the new trainer itself. So the record also names the kernel's
+boot, the PID namespace and the process's start time (`_identity`); a holder of this
+host is judged live only when a process with its PID, namespace and start time runs.
 A renewal the store fails after the client's retries (or one that finds LOCK
 taken over) ends the lease's hold: `check_lease`, which Checkpointer.poll calls
 every step, raises it, so the run stops in one line before it writes again,
 as it would had any other request met the outage first.
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -161,10 +169,42 @@ def _describe_holder(fd: int) -> str:
     return f'unrecognised LOCK contents {text[:200]!r}'
 
 
+def _read(path: str) -> str | None:
+  try:
+    with open(path) as f:
+      return f.read().strip()
+  except OSError:  # no procfs (not Linux), or the process is gone
+    return None
+
+
+def _start_ticks(pid: int | str) -> int | None:
+  """When process `pid` (of this PID namespace) started, in clock ticks since boot.
+
+  Field 22 of /proc/PID/stat (proc(5)); the command name before it, in parentheses,
+  may hold spaces, so the fields are counted after its closing parenthesis."""
+  stat = _read(f'/proc/{pid}/stat')
+  try:
+    return int(stat.rsplit(')', 1)[1].split()[19])
+  except (AttributeError, IndexError, ValueError):
+    return None
+
+
+def _identity() -> dict:
+  """What tells this process apart from any other that had its host name and PID:
+  the kernel's boot id, the PID namespace's inode (a new container has its own) and
+  the start time. Namespace inodes are reused once freed, and a restarted container's
+  trainer is PID 1 again: the start time is what differs then."""
+  ns = None
+  with contextlib.suppress(OSError):
+    ns = os.stat('/proc/self/ns/pid').st_ino
+  return {'boot': _read('/proc/sys/kernel/random/boot_id'), 'pidns': ns,
+          'start': _start_ticks('self')}
+
+
 def _holder() -> dict:
   return {'host': socket.gethostname(), 'pid': os.getpid(),
           'started': datetime.datetime.now(datetime.timezone.utc).isoformat(),
-          'renewed': time.time()}
+          **_identity(), 'renewed': time.time()}
 
 
 def _parsed(text: bytes) -> dict | None:
@@ -176,18 +216,43 @@ def _parsed(text: bytes) -> dict | None:
   return holder if isinstance(holder, dict) else None
 
 
+def _local(holder: dict) -> bool:
+  """Whether the holder's process, if it runs, is one this process can see: same host
+  name, same boot and PID namespace (records without them: same host name)."""
+  if holder.get('host') != socket.gethostname():
+    return False
+  own = _identity()
+  return all(holder.get(k) == own[k] for k in ('boot', 'pidns') if k in holder)
+
+
 def _stale_because(holder: dict) -> str:
-  """Why a bucket LOCK's holder is gone ('' while it holds the lease)."""
+  """Why a bucket LOCK's holder is gone ('' while it holds the lease, or may)."""
   age, lease = time.time() - float(holder.get('renewed', 0)), lease_seconds()
   if age > lease:
     return f'not renewed for {age:.0f} s (lease {lease:.0f} s)'
-  if holder.get('host') == socket.gethostname():
-    try:
-      os.kill(int(holder['pid']), 0)
-    except ProcessLookupError:
-      return 'its process is no longer running'
-    except (OSError, ValueError, KeyError):
-      pass
+  if holder.get('host') != socket.gethostname():
+    return ''  # another host: only its lease tells
+  own = _identity()
+  if 'boot' in holder and holder['boot'] != own['boot']:
+    # The same host name under another boot: this host since rebooted, or another
+    # machine of that name. Its process cannot be looked up here; the lease decides.
+    return ''
+  if 'pidns' in holder and holder['pidns'] != own['pidns']:
+    # This host's kernel, another PID namespace: an earlier container of this pod
+    # (Kubernetes reuses an Indexed Job pod's hostname), now restarted as this one.
+    return (f"from an earlier container on this host (PID namespace {holder['pidns']}, "
+            f"this one {own['pidns']}), restarted as this one")
+  try:
+    os.kill(int(holder['pid']), 0)
+  except ProcessLookupError:
+    return 'its process is no longer running'
+  except (OSError, ValueError, KeyError):
+    return ''
+  if holder.get('start') is not None and _start_ticks(holder['pid']) not in (
+      None, holder['start']):
+    # PID reused: e.g. a container's trainer is PID 1 after every restart.
+    return (f"its process is no longer running (PID {holder['pid']} now belongs to a "
+            'process started later)')
   return ''
 
 
@@ -237,7 +302,7 @@ class _Lease:
                         self.path, who, why.replace('its process', 'a process that'))
         return generation
       age = time.time() - float(holder.get('renewed', 0))
-      if holder['host'] == socket.gethostname() or announced == 'renewed':
+      if _local(holder) or announced == 'renewed':
         raise WorkdirLockedError(
             f'Workdir {self.workdir} is in use by another training run ({who}; lock '
             f'{self.path}, renewed {age:.0f} s ago). Two runs in one workdir would overwrite '
@@ -245,7 +310,8 @@ class _Lease:
             f'--workdir (a lock not renewed for {lease:.0f} s is taken over).')
       if not announced:
         logging.warning(
-            'Workdir %s is held by %s (lock %s, renewed %.0f s ago), another host: waiting up '
+            'Workdir %s is held by %s (lock %s, renewed %.0f s ago), a process this host cannot '
+            'look up (another host, or this one before a reboot): waiting up '
             'to %.0f s for the lease to expire (a host replaced after a preemption leaves its '
             'lease behind), and refusing to start if its holder renews it.', self.workdir,
             who, self.path, age, max(0.0, lease - age))

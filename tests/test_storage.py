@@ -9,6 +9,7 @@ and the server. train.py runs in buckets are in tests/test_storage_e2e.py.
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -194,6 +195,49 @@ def test_bucket_lock_refuses_a_live_holder_and_takes_over_a_dead_one(s3_server):
     storage.write(storage.join(workdir, 'LOCK'), json.dumps(holder).encode())
     with workdir_lock.WorkdirLock(workdir):
       assert json.loads(storage.read(storage.join(workdir, 'LOCK')))['pid'] == os.getpid()
+
+
+def proc_identity(pid) -> dict:
+  """A process's boot, PID namespace and start tick, read from procfs (proc(5)) here."""
+  stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  return {'boot': pathlib.Path('/proc/sys/kernel/random/boot_id').read_text().strip(),
+          'pidns': os.stat(f'/proc/{pid}/ns/pid').st_ino,
+          'start': int(stat[stat.rindex(')') + 2:].split()[19])}
+
+
+def test_bucket_lock_tells_a_reused_pid_from_a_live_holder(s3_server, caplog):
+  """In a container the trainer is PID 1 after every restart, on the same hostname: the
+  dead holder's PID is alive (the new trainer itself). Its start time tells them apart;
+  a live holder on this host, with its own start time, is still refused."""
+  workdir, here = f's3://{s3_server[1]}/pids', os.uname().nodename
+  lock = storage.join(workdir, 'LOCK')
+  own = proc_identity(os.getpid())
+  dead = [  # each a holder renewed just now, so only its identity can make it stale
+      {**own, 'pid': os.getpid(), 'start': own['start'] - 1},  # this PID, an earlier process
+      {**own, 'pid': os.getpid(), 'pidns': own['pidns'] + 1},  # an earlier container's ns
+  ]
+  for holder in dead:
+    storage.write(lock, json.dumps({'host': here, 'started': 'then', **holder,
+                                    'renewed': time.time()}).encode())
+    caplog.clear()
+    with workdir_lock.WorkdirLock(workdir):
+      assert json.loads(storage.read(lock))['start'] == own['start']
+    assert 'Taking over the stale workdir lock' in caplog.text
+  with subprocess.Popen(['sleep', '60']) as live:
+    try:
+      holder = {'host': here, 'pid': live.pid, 'started': 'then', **proc_identity(live.pid),
+                'renewed': time.time()}
+      storage.write(lock, json.dumps(holder).encode())
+      with pytest.raises(workdir_lock.WorkdirLockedError) as refused:
+        workdir_lock.WorkdirLock(workdir).__enter__()
+      assert f'in use by another training run (host {here}, PID {live.pid}' in str(refused.value)
+      assert '\n' not in str(refused.value)
+      holder['start'] += 1  # the same PID, but not the process that took the lock
+      storage.write(lock, json.dumps(holder).encode())
+      with workdir_lock.WorkdirLock(workdir):
+        assert json.loads(storage.read(lock))['pid'] == os.getpid()
+    finally:
+      live.kill()
 
 
 def test_bucket_lock_create_is_conditional(s3_server):

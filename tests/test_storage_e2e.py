@@ -613,6 +613,53 @@ def test_second_trainer_refused_by_the_lease_then_a_killed_holder_is_taken_over(
   assert storage.read(lock) == b''  # released at the end
 
 
+# A pod's container as Kubernetes runs it: PID 1 in PID and UTS namespaces of its own,
+# the hostname an Indexed Job gives its pod (the same after a restart). --kill-child: a
+# SIGKILL to unshare kills the trainer too, as a container's end does.
+CONTAINER = ['unshare', '--pid', '--uts', '--mount', '--fork', '--kill-child', '--mount-proc',
+             'sh', '-c', 'hostname slice-0-0 && exec "$@"', 'sh']
+
+
+@pytest.mark.slow
+def test_a_restarted_container_resumes_its_own_workdir_at_once(buckets, tmp_path):
+  """The holder's host name and PID repeat across a container's restart (slice-0-0, PID
+  1), and PID 1 is then alive: the new trainer. It must take its own dead container's
+  lease over and resume, not refuse with exit 2 (which fails a JobSet) nor wait out the
+  lease (here 600 s)."""
+  if os.geteuid() != 0 or subprocess.run(CONTAINER + ['true'], capture_output=True).returncode:
+    pytest.skip('needs root and unshare(1) for PID and UTS namespaces')
+  workdir = f'{buckets["gs"]}/container'
+  ckpt, lock = storage.join(workdir, 'checkpoints'), storage.join(workdir, workdir_lock.LOCK)
+  env = {'OLMO_LOCK_LEASE_SECONDS': '600'}
+  log = tmp_path / 'first.log'
+  first = spawn_train(workdir, 100000, 2, log=log, env_extra=env,
+                      command=CONTAINER + train_args(workdir, 100000, 2))
+  try:
+    deadline = time.time() + 300
+    while not committed_in(ckpt):
+      assert first.poll() is None, log.read_text()[-4000:]
+      assert time.time() < deadline
+      time.sleep(0.5)
+    first.send_signal(signal.SIGKILL)
+    first.wait(60)
+  finally:
+    first.kill()
+  holder = json.loads(storage.read(lock))
+  assert (holder['host'], holder['pid']) == ('slice-0-0', 1)  # a SIGKILL releases nothing
+  latest = committed_in(ckpt)[-1]
+  start = time.time()
+  rerun = subprocess.run(CONTAINER + train_args(workdir, latest + 2, 2), cwd=REPO,
+                         env=trainer_env(2, **env), capture_output=True, text=True, timeout=300)
+  out = ok(rerun)
+  assert time.time() - start < 300, 'waited out the lease'
+  assert 'Taking over the stale workdir lock' in out and 'host slice-0-0, PID 1' in out
+  resumed = [int(l.split('Resumed from step ')[1].split()[0]) for l in out.splitlines()
+             if 'Resumed from step ' in l]
+  assert resumed and resumed[0] == latest, (latest, resumed)
+  assert committed_in(ckpt)[-1] == latest + 2
+  assert storage.read(lock) == b''
+
+
 def test_racing_conditional_creates_of_the_s3_lease_leave_one_holder(buckets, monkeypatch):
   """moto honours If-None-Match: two runs that both read 'no LOCK' cannot both create it.
   The loser re-reads, finds a live holder and is refused."""
