@@ -23,7 +23,7 @@ from absl import logging
 EXIT_OK = 0  # done (train.py: cfg.train.steps reached, now or by an earlier run)
 EXIT_CRASH = 1  # an unexpected error (a traceback): a restart may fix it
 EXIT_USAGE = 2  # a config, flag, path, workdir, memory, mesh or resume mistake
-EXIT_PREEMPTED = 3  # SIGTERM/SIGINT: a checkpoint was written, rerun the same command
+EXIT_PREEMPTED = 3  # SIGTERM/SIGINT: checkpointed where the grace allowed; rerun the command
 EXIT_DIVERGED = 4  # the divergence guard stopped the run: rerunning it unchanged repeats that
 EXIT_DATA = 5  # a data mistake: missing, malformed or mismatched token files or tokenizer
 

@@ -21,9 +21,18 @@ Shapes: B global batch, A micro-batches per step, T sequence, D d_model.
 """
 
 import gc
+import os
+import signal
 COLLECTOR_PAUSED = __name__ == '__main__'  # the command line starts without the cyclic
 if COLLECTOR_PAUSED:  # collector, on again after the first step (goodput.Account): that
   gc.disable()  # step comes ~0.3 s sooner (docs/goodput.md)
+  # A container's trainer is PID 1, whose signals without a handler the kernel drops: a
+  # SIGTERM during the imports below ends the process at once, with exit 3 (preempted;
+  # nothing to save yet: errors.EXIT_PREEMPTED, not imported yet). run() puts
+  # monitor/health.py's Preemption in its place.
+  for _sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(_sig, lambda signum, _: (print(
+        f'Signal {signum} during start-up: stopping now (exit 3).', flush=True), os._exit(3)))
 
 import contextlib  # noqa: E402  (after the pause: imports run without the collector)
 import sys
@@ -305,7 +314,7 @@ def loop(cfg: ml_collections.ConfigDict, workdir: str, state: TrainState, start:
                                      cfg.train.memorization_evals),
             writer, guard, metrics.Progress(cfg, writer, guard, mesh.size, start))
   repeats, memorization, writer, guard, progress = watchers(start)
-  preempt, heartbeat = health.Preemption(), health.Heartbeat()
+  preempt, heartbeat = health.Preemption.for_loop(ckpt, start), health.Heartbeat()
   version = metrics.code_version()
   last, exit_code = {}, 0
   account.begin_segment(start)  # the loop's time is productive, but for what is timed apart
@@ -410,6 +419,8 @@ def run() -> None:
   """The command line: defines the flags (here, not at import: plan.py, tests and scripts
   import this module as a library) and runs main (`python train.py` calls it)."""
   global COLLECTOR_PAUSED  # pylint: disable=global-statement  # a script calling run()
+  with errors.one_line():  # first: a signal during start-up stops it at once (exit 3)
+    health.Preemption.install()
   COLLECTOR_PAUSED = goodput.pause_collector() or COLLECTOR_PAUSED  # starts like train.py
   kernels.xla.set_cpu_flags()  # before anything starts a JAX backend
   # Without --config in argv this already parses the default file and the overrides.

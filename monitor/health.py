@@ -8,7 +8,8 @@
 - The data: instance ids seen twice in an epoch (a bitmap of N bits), and
   training CE falling away from held-out CE (memorization).
 - Preemption: SIGTERM/SIGINT stop the loop after the current step, with a
-  checkpoint, on every process at the same step.
+  checkpoint, on every process at the same step; during start-up, or when the
+  scheduler's grace cannot hold a save, at once (exit 3 either way).
 - The heartbeat scripts/launch.py's stall watchdog reads, and its pause
   while the trainer compiles.
 - `warn`: a warning in the log and once on stderr.
@@ -21,6 +22,8 @@ import logging as std_logging
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any, NoReturn, Sequence
 
 from absl import flags, logging
@@ -372,28 +375,130 @@ def warn(message: str) -> None:
 
 
 
+STOP_GRACE_ENV = 'OLMO_STOP_GRACE_SECONDS'  # seconds a SIGTERM leaves before the SIGKILL
+STOP_MARGIN_S = 3.0  # exit this long before the grace ends: exit 3 must beat the SIGKILL
+UNWIND_S = 5.0  # at start-up, the main thread's time to unwind (the lock released) first
+
+
+def stop_grace_seconds() -> float | None:
+  """$OLMO_STOP_GRACE_SECONDS: the time a SIGTERM leaves this process (None: unbounded)."""
+  text = os.environ.get(STOP_GRACE_ENV, '').strip()
+  if not text:
+    return None
+  try:
+    value = float(text)
+  except ValueError:
+    value = float('nan')
+  if not value > 0 or value == float('inf'):
+    raise errors.ConfigError(
+        f'{STOP_GRACE_ENV}={text!r} is not a positive number of seconds: set it to the time '
+        'the scheduler leaves between SIGTERM and SIGKILL (the pod\'s '
+        'terminationGracePeriodSeconds; about 15 on a GKE Spot node), or unset it.')
+  return value
+
+
 class Preemption:
-  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits.
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits 3.
 
   The step in flight cannot be cut short (a signal reaches Python only
   between XLA calls, and the first step includes its compile), so a second
   Ctrl-C stops the process at once, without a checkpoint: the first one puts
   SIGINT's default action back. close() puts the previous handlers back
   (train() may run inside a larger program).
+
+  train.py's command line installs one first thing (`install`), for two reasons:
+  - A container's trainer is PID 1, and the kernel drops any signal PID 1 has no
+    handler for: a slice deleted during start-up would wait out its whole grace
+    period. Until the loop begins (`begin`), a signal stops the process at once,
+    exit 3: nothing new could be saved, and the run resumes from its last checkpoint.
+  - The scheduler's grace ($OLMO_STOP_GRACE_SECONDS) may not hold a checkpoint (a
+    GKE Spot node gives about 15 s). When the time left after SIGTERM is shorter than
+    the longest save this run has timed, the process exits 3 at once, naming the
+    committed step the run resumes from; otherwise it saves, and exits 3 before the
+    grace ends in any case, so the scheduler sees a preemption, never a SIGKILL (137).
+  Both need a signal to act while the main thread is inside a long XLA call, where no
+  Python handler runs, so a watcher thread reads each signal from a wakeup fd.
   """
 
-  def __init__(self):
+  _installed: 'Preemption | None' = None
+
+  def __init__(self, grace_seconds: float | None = None, *, owns_process: bool = False):
     self.requested = False
+    self.grace = grace_seconds
+    self._owns_process = owns_process  # may end the process itself (os._exit)
+    self._ckpt, self._start = None, None  # set by begin(): the loop has begun
+    self._exiting = threading.Lock()
     self._previous = {sig: signal.signal(sig, self._handle)
                       for sig in (signal.SIGTERM, signal.SIGINT)}
+    self._read, self._write = os.pipe()
+    os.set_blocking(self._write, False)
+    self._previous_fd = signal.set_wakeup_fd(self._write)
+    self._watcher = threading.Thread(target=self._watch, name='preemption-watch', daemon=True)
+    self._watcher.start()
+
+  @classmethod
+  def install(cls) -> 'Preemption':
+    """The command line's handler, before anything slow (train.run)."""
+    cls._installed = cls(stop_grace_seconds(), owns_process=True)
+    return cls._installed
+
+  @classmethod
+  def for_loop(cls, ckpt: Any, start: int) -> 'Preemption':
+    """The installed handler, or a new one (train() as a library), told the loop began."""
+    preempt, cls._installed = cls._installed or cls(), None
+    preempt._ckpt, preempt._start = ckpt, start
+    return preempt
 
   def _handle(self, signum, frame):
     del frame
+    if self._ckpt is None and self._owns_process:
+      warn(f'Signal {signum} during start-up, before the first step: stopping now (exit 3); '
+           'nothing new to save, the run resumes from its last committed checkpoint.')
+      raise SystemExit(errors.EXIT_PREEMPTED)
     again = ' (Ctrl-C again stops at once, without one)' if signum == signal.SIGINT else ''
     warn(f'Signal {signum}: stopping after the current step with a checkpoint{again}.')
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.SIG_DFL)
     self.requested = True
+
+  def _watch(self) -> None:
+    timing = False
+    while data := os.read(self._read, 64):  # b'': close() closed the other end
+      signals = [s for s in data if s in (signal.SIGTERM, signal.SIGINT)]
+      if signals and self._owns_process and not timing:
+        timing = True  # the first signal starts the clock; later ones change nothing
+        threading.Thread(target=self._deadline, args=(signals[0], time.monotonic()),
+                         name='preemption-deadline', daemon=True).start()
+    os.close(self._read)
+
+  def _deadline(self, signum: int, at: float) -> None:
+    """Ends the process with exit 3 when waiting for the main thread would outlast the grace."""
+    if self._ckpt is None:  # start-up: the handler's SystemExit unwinds, unless stuck
+      time.sleep(UNWIND_S)
+      self._exit_now(signum, 'during start-up, inside a call no signal interrupts')
+    if self.grace is None or signum != signal.SIGTERM:
+      return
+    left = self.grace - (time.monotonic() - at) - STOP_MARGIN_S
+    durations = [s['durable_s'] for s in self._ckpt.recent_saves if 'durable_s' in s]
+    if durations and max(durations) > left:
+      self._exit_now(signum, f'a checkpoint takes up to {max(durations):.0f} s here and the '
+                     f'grace period ({self.grace:.0f} s) leaves {max(left, 0):.0f} s')
+    time.sleep(max(left, 0))
+    self._exit_now(signum, f'the grace period ({self.grace:.0f} s) ends before the checkpoint '
+                   'is written')
+
+  def _exit_now(self, signum: int, why: str) -> NoReturn:
+    with self._exiting:
+      if self._ckpt is None:
+        resume = 'its last committed checkpoint'
+      else:
+        steps = [s['step'] for s in self._ckpt.recent_saves if 'durable_s' in s]
+        step = max(steps + [self._start])
+        resume = f'committed step {step}' if step else 'step 0 (nothing committed yet)'
+      warn(f'Signal {signum} {why}: exiting now without a checkpoint (exit 3); the run '
+           f'resumes from {resume}.')
+      logging.flush()
+      os._exit(errors.EXIT_PREEMPTED)  # the main thread may be in a call that never returns
 
   def agreed(self) -> bool:
     """Whether any process was signalled; every process must stop at the same step.
@@ -406,8 +511,12 @@ class Preemption:
     return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
 
   def close(self) -> None:
+    """The previous handlers back. A deadline already running still ends the process in
+    time: it was signalled, and exit 3 must reach the scheduler before its SIGKILL."""
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+    signal.set_wakeup_fd(self._previous_fd)
+    os.close(self._write)  # the watcher reads EOF and ends, unless it is timing a deadline
 
 
 HEARTBEAT_ENV = 'OLMO_HEARTBEAT_FILE'  # set by scripts/launch.py for its stall watchdog

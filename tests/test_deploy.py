@@ -7,10 +7,14 @@ No Kubernetes runs here, so `outcome` evaluates the manifest as the two controll
 their API references: the Job controller takes the first podFailurePolicy rule that matches
 a failed pod (onExitCodes: a non-zero exit code of the named container In / NotIn the
 values; onPodConditions: a condition of that type and status). FailJob fails the Job with
-reason PodFailurePolicy; Count (also when no rule matches) counts towards backoffLimit,
-which at 0 fails the Job with reason BackoffLimitExceeded; Ignore makes the pod again,
-uncounted. The JobSet controller then takes the first failurePolicy rule whose
-onJobFailureReasons holds that reason (RestartJobSet when none does).
+reason PodFailurePolicy and the message "... matching FailJob rule at index N" (the Job
+controller's pod_failure_policy.go); Count (also when no rule matches) counts towards
+backoffLimit, which at 0 fails the Job with reason BackoffLimitExceeded; Ignore makes the
+pod again, uncounted. The JobSet controller then takes the first failurePolicy rule whose
+onJobFailureReasons holds that reason and one of whose onJobFailureMessagePatterns (if
+any) matches the message (RestartJobSet when none does); RestartJobSetAndIgnoreMaxRestarts
+does not count towards maxRestarts. `slice_outcome` runs that for pods failing in order:
+the first to fail the Job decides.
 
 A command line is checked without running it: absl's app.run is replaced by one that parses
 argv with the entry point's own flags and parser (config file, --config.* overrides,
@@ -18,6 +22,7 @@ one-line mistakes), validates the config as train.py does before it reads any da
 (config_checks.validate), and prints what it parsed.
 """
 
+import itertools
 import json
 import pathlib
 import re
@@ -60,36 +65,71 @@ def container(js: dict) -> dict:
 
 # --- The controllers' rules, written out ---------------------------------------------------
 
+RESTART, UNCOUNTED, FAIL = 'restart (counted)', 'restart (uncounted)', 'fail'
 
-def outcome(js: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
-  """What the JobSet does when a pod of the slice fails: 'restart' (counted towards
-  maxRestarts), 'fail', or 'remake pod' (Ignore: uncounted)."""
+
+def job_failure(js: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> tuple[str, str] | None:
+  """How one failed pod fails the slice's Job, as the Job controller decides (its
+  matchPodFailurePolicy): (reason, message), or None when an Ignore rule remakes the pod."""
   job = slice_job(js)['template']['spec']
   name = container(js)['name']
-  action = 'Count'
-  for rule in job['podFailurePolicy']['rules']:
+  for index, rule in enumerate(job['podFailurePolicy']['rules']):
     codes = rule.get('onExitCodes')
     if codes:
       assert codes['containerName'] == name, rule
-      if exit_code != 0 and (exit_code in codes['values']) == (codes['operator'] == 'In'):
-        action = rule['action']
-        break
-    elif any(p['type'] in conditions and p.get('status', 'True') == 'True'
-             for p in rule.get('onPodConditions') or ()):
-      action = rule['action']
-      break
-  if action == 'Ignore':
-    return 'remake pod'
-  assert action in ('FailJob', 'Count'), action
-  assert action == 'FailJob' or job['backoffLimit'] == 0  # one counted failure fails the job
-  reason = 'PodFailurePolicy' if action == 'FailJob' else 'BackoffLimitExceeded'
-  jobset_action = 'RestartJobSet'
+      matched = exit_code != 0 and (exit_code in codes['values']) == (codes['operator'] == 'In')
+      message = (f'Container {name} for pod default/slice-0 failed with exit code {exit_code} '
+                 f"matching {rule['action']} rule at index {index}")
+    else:
+      matched = any(p['type'] in conditions and p.get('status') == 'True'
+                    for p in rule.get('onPodConditions') or ())
+      message = (f'Pod default/slice-0 has condition DisruptionTarget matching '
+                 f"{rule['action']} rule at index {index}")
+    if not matched:
+      continue
+    if rule['action'] == 'Ignore':
+      return None
+    if rule['action'] == 'FailJob':
+      return 'PodFailurePolicy', message
+    assert rule['action'] == 'Count', rule
+    break
+  assert job['backoffLimit'] == 0  # one counted failure fails the job
+  return 'BackoffLimitExceeded', 'Job has reached the specified backoff limit'
+
+
+def jobset_action(js: dict, reason: str, message: str) -> str:
+  """The JobSet controller's first failurePolicy rule that applies to a failed Job: its
+  reasons hold the Job's, and one of its message patterns (Go regexps, unanchored)
+  matches the Job's message; RestartJobSet when none applies."""
   for rule in js['spec']['failurePolicy']['rules']:
-    if not rule.get('onJobFailureReasons') or reason in rule['onJobFailureReasons']:
-      jobset_action = rule['action']
-      break
-  assert jobset_action in ('FailJobSet', 'RestartJobSet'), jobset_action
-  return 'fail' if jobset_action == 'FailJobSet' else 'restart'
+    if rule.get('onJobFailureReasons') and reason not in rule['onJobFailureReasons']:
+      continue
+    patterns = rule.get('onJobFailureMessagePatterns')
+    if patterns and not any(re.search(p, message) for p in patterns):
+      continue
+    return rule['action']
+  return 'RestartJobSet'
+
+
+def outcome(js: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+  """What the JobSet does when this pod of the slice fails first: RESTART (counted towards
+  maxRestarts), UNCOUNTED, FAIL, or 'remake pod' (an Ignore rule)."""
+  failure = job_failure(js, exit_code, conditions)
+  if failure is None:
+    return 'remake pod'
+  action = jobset_action(js, *failure)
+  return {'FailJobSet': FAIL, 'RestartJobSet': RESTART,
+          'RestartJobSetAndIgnoreMaxRestarts': UNCOUNTED}[action]
+
+
+def slice_outcome(js: dict, pods: list[tuple[int, tuple[str, ...]]]) -> str:
+  """The JobSet's action when the slice's pods fail in this order, each (exit code,
+  conditions): the first that fails the Job decides (the rest are deleted with it)."""
+  for code, conditions in pods:
+    result = outcome(js, code, conditions)
+    if result != 'remake pod':
+      return result
+  return 'remake pod'
 
 
 def launcher_restarts(code: int) -> bool:
@@ -107,13 +147,14 @@ def mismatches(js: dict) -> list[str]:
       continue
     if code not in named:  # a new code must be placed by hand, not fall into a default
       found.append(f'{name}={code} is in no podFailurePolicy rule')
-    want = 'restart' if code in errors.RESTARTABLE else 'fail'
-    if outcome(js, code) != want:
-      found.append(f'{name}={code}: {outcome(js, code)}, errors.RESTARTABLE says {want}')
+    restarts = outcome(js, code) in (RESTART, UNCOUNTED)
+    if restarts != (code in errors.RESTARTABLE):
+      found.append(f'{name}={code}: {outcome(js, code)}, errors.RESTARTABLE says '
+                   f'{"restart" if code in errors.RESTARTABLE else "fail"}')
   for code in range(1, 256):
-    want = 'restart' if launcher_restarts(code) else 'fail'
-    if outcome(js, code) != want:
-      found.append(f'exit {code}: {outcome(js, code)}, scripts/launch.py: {want}')
+    if (outcome(js, code) in (RESTART, UNCOUNTED)) != launcher_restarts(code):
+      found.append(f'exit {code}: {outcome(js, code)}, scripts/launch.py: '
+                   f'{"restart" if launcher_restarts(code) else "fail"}')
   return found
 
 
@@ -144,41 +185,65 @@ def test_restart_rules_equal_errors_py_and_the_launcher():
   assert mismatches(load_manifest()) == []
   js = load_manifest()
   assert [outcome(js, c) for c in (1, 2, 3, 4, 5)] == [
-      'restart', 'fail', 'restart', 'fail', 'fail']
-  assert outcome(js, 137) == outcome(js, 143) == 'restart'  # SIGKILL (OOM), SIGTERM
-  assert outcome(js, 42) == 'fail'  # a code nothing defines: a rerun would repeat it
+      RESTART, FAIL, UNCOUNTED, FAIL, FAIL]  # a preemption's agreed stop costs no restart
+  assert outcome(js, 137) == outcome(js, 143) == RESTART  # SIGKILL (OOM), SIGTERM
+  assert outcome(js, 42) == FAIL  # a code nothing defines: a rerun would repeat it
 
 
-def test_a_disrupted_node_remakes_the_pod_uncounted_but_a_mistake_still_fails():
+@pytest.mark.parametrize('code', range(1, 256))
+def test_a_disrupted_pod_restarts_the_slice_uncounted_whatever_its_exit_code(code):
+  """Upstream's model (JobSet's host-maintenance example): the DisruptionTarget rule comes
+  first, so a disrupted pod is never judged by the exit code its lost node gave it."""
+  assert outcome(load_manifest(), code, ('DisruptionTarget',)) == UNCOUNTED
+
+
+def test_a_disruption_costs_no_restart_whichever_pod_fails_first():
+  """One pod disrupted or all of them, in every order the pods may fail in: the others
+  exit 3 (the slice's agreed stop on SIGTERM), with or without the condition yet (a
+  host may exit before its kubelet marks it). Only a crash's own failure counts."""
   js = load_manifest()
-  for code in (3, 1, 143, 137):  # checkpointed on SIGTERM, lost its peer, killed
-    assert outcome(js, code, ('DisruptionTarget',)) == 'remake pod'
-  for code in (2, 4, 5):
-    assert outcome(js, code, ('DisruptionTarget',)) == 'fail'
+  disrupted = [(3, ('DisruptionTarget',)), (143, ('DisruptionTarget',)),
+               (137, ('DisruptionTarget',))]
+  peers = [(3, ()), (3, ('DisruptionTarget',))]
+  for first in disrupted:
+    for peer in peers:
+      for order in itertools.permutations([first, peer, peer]):
+        assert slice_outcome(js, list(order)) == UNCOUNTED, order
+  assert slice_outcome(js, [(3, ())] * 8) == UNCOUNTED  # a whole slice, none marked yet
+  assert slice_outcome(js, [(1, ()), (3, ('DisruptionTarget',))]) == RESTART  # a crash first
+  assert slice_outcome(js, [(2, ()), (3, ('DisruptionTarget',))]) == FAIL  # a mistake first
 
 
 def test_restarts_are_bounded_as_the_doc_says():
   js = load_manifest()
   policy, text = js['spec']['failurePolicy'], PODS_DOC.read_text()
   assert 0 < policy['maxRestarts'] <= 100
-  assert {r['action'] for r in policy['rules']} <= {'FailJobSet', 'RestartJobSet'}  # counted
+  assert {r['action'] for r in policy['rules']} <= {
+      'FailJobSet', 'RestartJobSet', 'RestartJobSetAndIgnoreMaxRestarts'}
   assert f"`maxRestarts` ({policy['maxRestarts']})" in text
   grace = slice_job(js)['template']['spec']['template']['spec']['terminationGracePeriodSeconds']
   assert f"manifest's {grace} s grace period" in text
+  env = {e['name']: e['value'] for e in container(js)['env']}
+  counted_on = float(env['OLMO_STOP_GRACE_SECONDS'])  # a Spot node's, within the pod's
+  assert 0 < counted_on <= grace and f'`OLMO_STOP_GRACE_SECONDS` ({counted_on:.0f})' in text
 
 
-@pytest.mark.parametrize('edit', ['drop_code', 'restart_usage', 'new_code'])
+@pytest.mark.parametrize('edit', ['drop_code', 'restart_usage', 'new_code', 'reorder'])
 def test_the_check_catches_a_rule_out_of_step(edit, monkeypatch):
   js = load_manifest()
   rules = slice_job(js)['template']['spec']['podFailurePolicy']['rules']
+  usage = next(r for r in rules if 2 in (r.get('onExitCodes') or {}).get('values', ()))
   if edit == 'drop_code':  # exit 4 would be failed by the NotIn rule, but named nowhere
-    rules[0]['onExitCodes']['values'].remove(errors.EXIT_DIVERGED)
+    usage['onExitCodes']['values'].remove(errors.EXIT_DIVERGED)
   elif edit == 'restart_usage':
-    rules[0]['onExitCodes']['values'].remove(errors.EXIT_USAGE)
-    rules[1]['onExitCodes']['values'] = sorted(rules[1]['onExitCodes']['values'] + [2])
-  else:  # errors.py gains a restartable code that the manifest does not know
+    usage['onExitCodes']['values'].remove(errors.EXIT_USAGE)
+    rules[-1]['onExitCodes']['values'] = sorted(rules[-1]['onExitCodes']['values'] + [2])
+  elif edit == 'new_code':  # errors.py gains a restartable code the manifest does not know
     monkeypatch.setitem(EXIT_CODES, 'EXIT_NEW', 6)
     monkeypatch.setattr(errors, 'RESTARTABLE', errors.RESTARTABLE + (6,))
+  else:  # the exit-code rules moved up: the JobSet's index patterns now name other rules
+    rules.append(rules.pop(0))
+    assert outcome(js, 2) == UNCOUNTED  # a usage error would restart forever
   assert mismatches(js), edit
 
 
