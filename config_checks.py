@@ -33,6 +33,7 @@ import model
 from monitor import profiler
 from monitor import tracking
 import optim
+import sharding
 from store import storage
 from tokens import run_tokenizer
 from tokens import token_files
@@ -306,8 +307,17 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if not holds:
       raise errors.ConfigError(f'cfg.train.{field}={t[field]!r} must be {rule}; set '
                                f'--config.train.{field} to such a value.')
+  check_mesh_layout(t)
   from evaluation import olmo_eval_requests  # pylint: disable=import-outside-toplevel
   olmo_eval_requests.check_config(cfg)  # train.eval_tasks and the downstream_eval_* fields
+
+
+def check_mesh_layout(cfg_train: ml_collections.ConfigDict) -> None:
+  """train.mesh_layout is a known layout; under 'hsdp' the replicas follow the devices."""
+  layout = cfg_train.get('mesh_layout', 'fsdp')
+  sharding.layout_for(cfg_train, 'cpu')  # refuses an unknown name
+  if layout == 'hsdp':
+    sharding.check_hsdp_fields(cfg_train)
 
 
 def check_validation_sets(cfg_data: ml_collections.ConfigDict) -> None:

@@ -45,6 +45,7 @@ import errors
 from formats import ckpt_files
 from formats import hf_ckpt
 from formats import olmo_core_ckpt
+from kernels import xla
 from store import download
 from store import storage
 
@@ -92,6 +93,7 @@ def _from_olmo_core() -> None:
 
 
 def main(argv):
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   del argv
   modes = {'from_hf': {'from_hf', 'to'}, 'to_hf': {'from_ckpt', 'to_hf'},
            'from_olmo_core': {'from_olmo_core', 'to'},

@@ -53,6 +53,7 @@ from store import storage
 from evaluation import compare, deps, plots, scoring, suites
 from evaluation.scoring import Scorer, load_model, load_tokenizer
 from evaluation.tasks import TASKS
+from kernels import xla
 
 SUITES = ('downstream', 'heldout', 'paloma', 'compare', 'harness')
 PLOT_MODE = 'plots'  # --plot_ours / --landmarks_ours: logs and reports, no model
@@ -388,6 +389,7 @@ def run_report(selected: list[str]) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   with errors.one_line(also=(app.UsageError,)):
     if len(argv) > 1:
       raise app.UsageError(f'unexpected arguments {argv[1:]}; flags take the form --name=value.')

@@ -57,9 +57,9 @@ ACTIVATIONS = {
     'q_proj': 'x @ w_q, before QK-norm [B, T, H*K]',
     'k_proj': 'x @ w_k, before QK-norm [B, T, G*K]',
     'v_proj': 'x @ w_v [B, T, G*K]',
-    'attn_out': "attention's output [B, T, H, K] (the Pallas kernel's residual)",
-    'attn_lse': "the Pallas kernel's float32 log-sum-exp [B, H, T] (with attn_out, no "
-                'attention forward is recomputed)',
+    'attn_out': "attention's output [B, T, H, K] (every impl names it)",
+    'attn_lse': "the Pallas kernels' (TPU, GPU) float32 log-sum-exp [B, H, T] (with "
+                'attn_out, no attention forward is recomputed)',
     'attn_proj': 'attention output @ w_o, before its norm [B, T, D]',
     'mlp_gate': 'h @ w_gate [B, T, F]',
     'mlp_up': 'h @ w_up [B, T, F]',

@@ -56,9 +56,9 @@ in HOST_GB_PER_CHIP), XLA's flops and whether it fits --budget_gb; then names
 the fitting policy with the least recomputation (docs/remat.md). A single
 --topology plan whose host memory does not fit the host is refused (exit 2).
 
-One module of ~680 lines: the CPU and TPU compiles, the report and the sweep
-all build and read the same Plan from the same compile; split apart, each
-part would reach into the others' internals.
+One module of ~740 lines: the CPU and TPU compiles, the GPU and HSDP targets,
+the report and the sweep all build and read the same Plan from the same
+compile; split apart, each part would reach into the others' internals.
 
 Shapes: B global batch, T sequence.
 """
@@ -83,6 +83,7 @@ import config_checks
 import errors
 import kernels
 from kernels import flash_kernels
+from kernels import gpu_flags
 import model
 import optim
 import sharding
@@ -94,6 +95,7 @@ import train
 # device (two TensorCores, two jax devices), H100 SXM 80 GB, H200 141 GB.
 BUDGETS_GB = {'TPU v4': 32, 'TPU v5e': 16, 'TPU v5p': 95, 'TPU v6e': 32, 'TPU7x': 96,
               'H100': 80, 'H200': 141}
+GPU_NODE_DEVICES = 8  # GPUs of one H100 / H200 node (HGX / DGX boards; GKE A3, A3 Ultra)
 GB = 1e9
 # Host RAM per TPU chip (decimal GB), from the TPU VM machine types GKE and Cloud TPU
 # list: v4 ct4p-hightpu-4t 407 GB for 4 chips, v5e ct5lp-hightpu-4t 192 GB for 4
@@ -153,6 +155,9 @@ class Plan:
   topology: str = ''
   host_bytes: int = 0  # offloaded activations per device (the remat policy's '@host' items)
   devices_per_host: int = 1
+  layout: str = 'fsdp'  # sharding.layout_for: 'hsdp' shards within a node, replicates across
+  node_devices: int = 0  # devices of one node (8 GPUs; a TPU slice is one interconnect)
+  traffic: dict[str, float] | None = None  # bytes per device per step, within/across nodes
 
   @property
   def host_need_bytes(self) -> int:
@@ -171,11 +176,13 @@ def compile_config(cfg: ml_collections.ConfigDict, platform: str
                    ) -> tuple[ml_collections.ConfigDict, str]:
   """(the config the CPU compile uses, 'impl (why)' of what `platform` runs).
 
-  A flash kernel of the target (pallas, cudnn) becomes the O(T)-memory stand-in.
+  A flash kernel of the target (pallas, pallas_gpu, cudnn) becomes the O(T)-memory stand-in.
   """
-  impl, why = kernels.resolve(cfg.model, platform, segments=cfg.data.document_masking)
+  impl, why = kernels.resolve(cfg.model, platform, segments=cfg.data.document_masking,
+                              context_parallel=cfg.train.mesh_context != 1)
   compiled = cfg.copy_and_resolve_references()
-  compiled.model.attention_impl = 'flash_stand_in' if impl in ('pallas', 'cudnn') else impl
+  flash = ('pallas', 'pallas_gpu', 'cudnn')
+  compiled.model.attention_impl = 'flash_stand_in' if impl in flash else impl
   return compiled, f'{impl} ({why})'
 
 
@@ -396,28 +403,42 @@ def fits_host(p: Plan) -> bool:
 
 
 def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None, *,
-              platform: str = 'tpu', chip: str = 'v5p', devices: list[Any] | None = None) -> Plan:
-  """Compiles on the simulated CPU `devices` (twice when extrapolating) and returns the Plan."""
+              platform: str = 'tpu', chip: str = 'v5p', devices: list[Any] | None = None,
+              node_devices: int = 0) -> Plan:
+  """Compiles on the simulated CPU `devices` (twice when extrapolating) and returns the Plan.
+
+  The target is laid out as train.mesh_layout says for `platform` on nodes of
+  `node_devices` (default: GPU_NODE_DEVICES on a GPU, else the whole target). An HSDP
+  target compiles one node's flat FSDP mesh: the shard group is what a device holds
+  and computes; the replicas only add the all-reduce that step_traffic counts.
+  """
   config_checks.validate(config_checks.complete(cfg))
   devices = devices or jax.devices()
   if devices[0].platform != 'cpu':
     raise ValueError(f'the planner compiles on simulated CPU devices, got {devices[0].platform}; '
                      'run it with JAX_PLATFORMS=cpu.')
   target = target_devices or len(devices)
-  target_shape = sharding.mesh_shape(cfg.train, target)
+  layout = sharding.layout_for(cfg.train, platform)
+  node = min(node_devices or (GPU_NODE_DEVICES if platform == 'gpu' else target), target)
+  target_shape = sharding.mesh_shape(cfg.train, target, layout, node)
   compiled_cfg, attention = compile_config(cfg, platform)
+  if layout == 'hsdp':  # compiled as a flat FSDP mesh, extrapolated to the shard group
+    t = compiled_cfg.train
+    t.mesh_layout, t.mesh_data, t.mesh_fsdp = 'fsdp', 1, -1
+  exact = (target == len(devices)
+           and sharding.mesh_shape(compiled_cfg.train, len(devices)) == target_shape)
   warning = ''
-  if target == len(devices):
+  if exact:
     compiles = [compile_step(compiled_cfg, devices)]
     temp = compiles[0].temp
   else:
-    axis = _scaling_axis(cfg.train)
+    axis = _scaling_axis(compiled_cfg.train)
     if axis != 'fsdp':
       raise ValueError(f'extrapolation follows the FSDP axis; train.mesh_{axis}=-1 scales '
                        f'{axis} instead. Set train.mesh_fsdp=-1 and fix the others.')
     half = len(devices) // 2
     pair = (devices[:half], devices)
-    fixed = len(devices) // sharding.mesh_shape(cfg.train, len(devices))['fsdp']
+    fixed = len(devices) // sharding.mesh_shape(compiled_cfg.train, len(devices))['fsdp']
     if half % fixed:  # e.g. context parallelism at full degree: compile on --devices and 2x
       pool = jax.devices()
       if len(pool) < 2 * len(devices):
@@ -435,16 +456,23 @@ def make_plan(cfg: ml_collections.ConfigDict, target_devices: int | None = None,
   tpu_kernels = ()
   if platform == 'tpu':
     tpu_kernels = tpu_kernels_in_step(cfg, chip, sharding.mesh_shape(cfg.train, len(devices)))
-  params_bytes, opt_bytes = sharding.state_bytes(
-      train.abstract_state(cfg, optim.make_optimizer(cfg.opt)), target_shape)
+  abstract = train.abstract_state(cfg, optim.make_optimizer(cfg.opt))
+  params_bytes, opt_bytes = sharding.state_bytes(abstract, target_shape)
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
   batch = batch_bytes(cfg, target_shape)
   flops_token = model.flops_per_token(cfg.model, T)
+  try:  # a target whose batch does not split has no step to count (its own run refuses it)
+    micro = batches.grad_accum_steps(B, target_shape['data'] * target_shape['fsdp'],
+                                     cfg.train.micro_batch_size)
+    traffic = sharding.step_traffic(abstract.params, target_shape, layout, node, micro)
+  except errors.ConfigError:
+    traffic = None
   # Outputs alias the donated state, so the peak is arguments plus temporaries.
   return Plan(model.param_count(cfg.model), flops_token, flops_token * B * T, target,
               target_shape, params_bytes, opt_bytes, batch, temp,
-              params_bytes + opt_bytes + batch + temp, target != len(devices), compiles,
-              platform, attention, tpu_kernels, warning)
+              params_bytes + opt_bytes + batch + temp, not exact, compiles,
+              platform, attention, tpu_kernels, warning, layout=layout, node_devices=node,
+              traffic=traffic)
 
 
 def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
@@ -486,6 +514,10 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
       f'  batch      {p.batch_bytes / 1e6:8.2f} MB/device (tokens, labels, mask)',
       f'  temp       {p.temp_bytes / GB:8.2f} GB/device (activations, gathered weights, grads; '
       f'{how})',
+      *([f'  traffic    {p.traffic["within"] / GB:8.2f} GB/device/step within a node, '
+         f'{p.traffic["across"] / GB:.2f} GB across nodes (layout {p.layout}, nodes of '
+         f'{p.node_devices} devices; gathers, reduce-scatters, all-reduces: '
+         'sharding.step_traffic)'] if p.traffic else []),
       f'  peak       {p.peak_bytes / GB:8.2f} GB/device' + (
           '' if p.compiler != 'tpu' else ' at least (the state + what libtpu asked for)'
           if p.out_of_memory else ' (arguments + unaliased outputs + temp, from libtpu)'),
@@ -499,7 +531,7 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
         f'offloaded activations {p.host_bytes / GB:.3f} + the state\'s checkpoint copy '
         f'{(p.params_bytes + p.opt_state_bytes) / GB:.2f} GB/device); {verdict}')
   lines.append(f'attention   {p.platform}: {p.attention}')
-  if p.compiler == 'cpu' and p.attention.split()[0] in ('pallas', 'cudnn'):
+  if p.compiler == 'cpu' and p.attention.split()[0] in ('pallas', 'pallas_gpu', 'cudnn'):
     lines.append('  the CPU compile used an O(T)-memory stand-in for that kernel '
                  "(attention_impl='flash_stand_in')")
   if p.platform == 'tpu' and p.attention.startswith('pallas'):
@@ -507,10 +539,25 @@ def format_plan(cfg: ml_collections.ConfigDict, p: Plan) -> str:
     lines.append(f"  {how}: {', '.join(p.tpu_kernels) or 'NO Pallas kernel'} in the train step")
   if p.warning:
     lines.append(f'  WARNING: {p.warning}')
-  for name, budget in BUDGETS_GB.items():
+  for name, total in BUDGETS_GB.items():
+    budget = usable_gb(name)
     verdict = 'fits' if p.fits(budget) else 'does NOT fit'
-    lines.append(f'  {name:8s} {budget:4d} GB: {verdict} ({p.peak_bytes / GB / budget:.0%} used)')
+    share = '' if budget == total else f' of the {budget:.0f} GB JAX\'s allocator takes'
+    lines.append(f'  {name:8s} {total:4d} GB: {verdict} ({p.peak_bytes / GB / budget:.0%} used'
+                 f'{share})')
   return '\n'.join(lines)
+
+
+def usable_gb(name: str) -> float:
+  """What a step may use of BUDGETS_GB[name]: a TPU's HBM, or on a GPU the share JAX's
+  allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION: JAX's 0.75 unless set, train.py's
+  gpu_flags.TRAINER_MEM_FRACTION on a GPU host; cuDNN, cuBLAS and NCCL use the rest)."""
+  if name.startswith('TPU'):
+    return BUDGETS_GB[name]
+  fraction = gpu_flags.memory_fraction()
+  if gpu_flags.MEM_FRACTION_ENV not in os.environ:  # what train.py sets on a GPU host
+    fraction = gpu_flags.TRAINER_MEM_FRACTION
+  return BUDGETS_GB[name] * fraction
 
 
 # `--policies=candidates`: remat policies from full to none, ordered by what they keep.
@@ -602,6 +649,7 @@ def main(argv: list[str]) -> None:
     # parallelism) can still be compiled at two FSDP sizes; the plan uses --devices.
     jax.config.update('jax_num_cpu_devices', 2 * devices)
     report(cfg, FLAGS.target_devices or None, platform=platform, chip=FLAGS.chip,
+           node_devices=FLAGS.node_devices,
            devices=jax.devices()[:devices])
 
 
@@ -671,6 +719,9 @@ if __name__ == '__main__':
                     "the TPU flash kernel cannot take).")
   flags.DEFINE_enum('chip', 'v5p', sorted(kernels.TPU_DEVICE_KINDS), 'TPU generation the step '
                     'is lowered for (with --platform=tpu).')
+  flags.DEFINE_integer('node_devices', 0, 'Devices per node of the target (default: 8 with '
+                       '--platform=gpu, else the whole target): train.mesh_layout=hsdp shards '
+                       'within one, and the traffic line splits bytes within and across them.')
   flags.DEFINE_string('topology', '', 'A TPU slice, as libtpu names it (v5e:16x16, v5p:4x4x8, '
                       'v6e:8x8, v4:2x2x2, tpu7x:2x2x1): the step is compiled for its devices by '
                       'the TPU compiler where libtpu is installed, else planned by the CPU '

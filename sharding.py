@@ -1,17 +1,21 @@
 """How a run is laid out on devices: the mesh, the sharding of state and batch, memory, hosts.
 
-- The mesh: ('data', 'fsdp'[, 'context'], 'tensor') axes from cfg.train.mesh_*.
+- The mesh: ('data', 'fsdp'[, 'context'], 'tensor') axes from cfg.train.mesh_*, laid
+  out by train.mesh_layout: in device order, or HSDP (shards within a node, replicas
+  across nodes); step_traffic, the bytes a step sends within and across nodes.
 - One partition spec per parameter name (FSDP, tensor parallelism), fitted to
   the mesh; Adam moments share their parameter's sharding.
 - The batch: rows over ('data', 'fsdp'); under context parallelism, the
   sequence over 'context' in the zig-zag layout.
 - Memory: the exact per-device bytes of params + moments, checked against a
   device before anything is allocated (plan.py answers the fuller question).
-- Hosts: joining a multi-process run (TPU pods, SLURM, explicit flags).
+- Hosts: joining a multi-process run (TPU pods, SLURM, torchrun-style variables,
+  explicit flags; hosts/launchers.py picks each process's GPUs).
 
 Shapes: B global batch, T sequence.
 """
 
+import dataclasses
 import errno
 import glob
 import os
@@ -25,6 +29,7 @@ import ml_collections
 import numpy as np
 
 import errors
+from hosts import launchers
 from hosts import peers
 import kernels
 import model
@@ -35,17 +40,49 @@ MESH_AXES = ('data', 'fsdp', 'context', 'tensor')  # 'context' only when train.m
 # --- The mesh ---------------------------------------------------------------------------
 
 
-def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
+LAYOUTS = ('auto', 'fsdp', 'hsdp')  # train.mesh_layout
+
+
+def layout_for(cfg_train: ml_collections.ConfigDict, platform: str) -> str:
+  """'fsdp' or 'hsdp': train.mesh_layout, with 'auto' resolved for `platform`.
+
+  'auto' is HSDP on GPUs (shards within a node over NVLink, replicas across
+  nodes, as Ai2 trained Olmo 3 7B) and one flat FSDP mesh on TPUs and CPUs (a
+  TPU slice's interconnect joins every chip of it).
+  """
+  layout = cfg_train.get('mesh_layout', 'fsdp')
+  if layout not in LAYOUTS:
+    raise errors.ConfigError(f'train.mesh_layout={layout!r} is not one of {list(LAYOUTS)}; set '
+                             '--config.train.mesh_layout.')
+  return ('hsdp' if platform == 'gpu' else 'fsdp') if layout == 'auto' else layout
+
+
+def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int, layout: str = 'fsdp',
+               node_devices: int | None = None) -> dict[str, int]:
   """The ('data', 'fsdp'[, 'context'], 'tensor') sizes for `devices`; a -1 takes the rest.
 
   The 'context' axis (context parallelism, kernels/context_parallel.py) is
   there only when train.mesh_context > 1, so other meshes keep three axes.
+  Under layout 'hsdp' the data axis is always the replicas the devices leave
+  (train.mesh_data must be -1, or its default 1), and mesh_fsdp=-1 is the
+  devices of one node (`node_devices`, default all) over context x tensor.
   """
   context = cfg_train.mesh_context
   if context < 1:
     raise errors.ConfigError(f'train.mesh_context={context} must be an integer >= 1 (1: no '
                              'context parallelism); set --config.train.mesh_context.')
   shape = [cfg_train.mesh_data, cfg_train.mesh_fsdp, context, cfg_train.mesh_tensor]
+  if layout == 'hsdp':
+    check_hsdp_fields(cfg_train)
+    node = node_devices or devices
+    inner = context * cfg_train.mesh_tensor
+    fsdp = cfg_train.mesh_fsdp
+    if fsdp == -1 and (inner < 1 or node % inner):
+      raise errors.ConfigError(
+          f'train.mesh_layout=hsdp shards over one node of {node} devices, which '
+          f'train.mesh_context x train.mesh_tensor = {inner} does not divide; set '
+          '--config.train.mesh_fsdp to the shard count.')
+    shape = [-1, node // inner if fsdp == -1 else fsdp, context, cfg_train.mesh_tensor]
   known = int(np.prod([s for s in shape if s != -1]))
   if shape.count(-1) > 1 or devices % known:
     needs = (f'it needs a multiple of {known} devices' if shape.count(-1) <= 1 else
@@ -62,12 +99,71 @@ def mesh_shape(cfg_train: ml_collections.ConfigDict, devices: int) -> dict[str, 
   return {axis: n for axis, n in zip(MESH_AXES, shape) if axis != 'context' or n > 1}
 
 
+def check_hsdp_fields(cfg_train: ml_collections.ConfigDict) -> None:
+  """Under HSDP the replicas follow the device count; a fixed train.mesh_data is a mistake."""
+  if cfg_train.mesh_data not in (-1, 1):
+    raise errors.ConfigError(
+        f'train.mesh_data={cfg_train.mesh_data} with train.mesh_layout=hsdp: the replicas '
+        '(the data axis) are the devices over the shards, so set --config.train.mesh_data=-1 '
+        'and choose the shards with --config.train.mesh_fsdp (-1: one node).')
+
+
+def nodes_of(devices) -> list[list[Any]]:
+  """The devices grouped by node, in device order within each.
+
+  A node is what XLA calls a slice on GPUs and TPUs (GPUs of one host, or of
+  one NVLink domain; the chips of one TPU slice: `slice_index`) and a process
+  on CPUs (each test process stands for a node).
+  """
+  devices = list(devices)
+  key = ('slice_index' if devices[0].platform != 'cpu' and hasattr(devices[0], 'slice_index')
+         else 'process_index')
+  groups: dict[int, list[Any]] = {}
+  for d in devices:
+    groups.setdefault(getattr(d, key), []).append(d)
+  return [groups[k] for k in sorted(groups)]
+
+
+def hsdp_devices(shape: dict[str, int], devices) -> np.ndarray:
+  """`devices` as an array of `shape` whose shard axes (fsdp, context, tensor) stay
+  inside a node where they fit, with the nodes along the data axis (then along fsdp,
+  for a shard group that spans several whole nodes): mesh_utils'
+  create_hybrid_device_mesh with a node as its granule."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  nodes = nodes_of(devices)
+  per_node = len(nodes[0])
+  sizes = list(shape.values())
+  group = int(np.prod(sizes[1:]))  # one copy of the state: fsdp x context x tensor
+  if any(len(n) != per_node for n in nodes):
+    raise errors.ConfigError(f'train.mesh_layout=hsdp needs the same devices on every node; '
+                             f'they have {sorted({len(n) for n in nodes})}.')
+  in_node = group // sizes[1]  # context x tensor: always inside a node
+  inner_fsdp = sizes[1] if group <= per_node else per_node // in_node
+  if (per_node % group if group <= per_node else group % per_node or per_node % in_node):
+    raise errors.ConfigError(
+        f'train.mesh_layout=hsdp: a shard group of {group} devices neither fits a node of '
+        f'{per_node} evenly nor spans whole nodes; set --config.train.mesh_fsdp to a divisor '
+        f'or a multiple of {per_node}.')
+  inner = [per_node // group if group <= per_node else 1, inner_fsdp, *sizes[2:]]
+  outer = [len(nodes) if group <= per_node else sizes[0], sizes[1] // inner_fsdp,
+           *([1] * len(sizes[2:]))]
+  ordered = [d for n in nodes for d in n]
+  return mesh_utils.create_hybrid_device_mesh(
+      inner, outer, ordered, process_is_granule=ordered[0].platform == 'cpu'
+      or not hasattr(ordered[0], 'slice_index'))
+
+
 def make_mesh(cfg_train: ml_collections.ConfigDict, devices=None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all)."""
+  """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all), laid out by
+  train.mesh_layout: in device order, or HSDP's shards within a node."""
   devices = np.asarray(jax.devices() if devices is None else devices)
-  shape = mesh_shape(cfg_train, devices.size)
+  layout = layout_for(cfg_train, devices.flat[0].platform)
+  nodes = nodes_of(devices.flat) if layout == 'hsdp' else [devices]
+  shape = mesh_shape(cfg_train, devices.size, layout, len(nodes[0]))
+  grid = (hsdp_devices(shape, devices.flat) if len(nodes) > 1 else
+          devices.reshape(tuple(shape.values())))
   # Plain Mesh = Auto axes: jax.make_mesh's Explicit axes break hk-style gathers.
-  return Mesh(devices.reshape(tuple(shape.values())), tuple(shape))
+  return Mesh(grid, tuple(shape))
 
 
 # Partition spec per parameter name: FSDP shards d_model, tensor-parallel
@@ -206,15 +302,78 @@ def check_state_fits(abstract: Any, mesh: Mesh) -> None:
       'python plan.py --config=CONFIG --devices=N.')
 
 
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """A stand-in device for placing a planned mesh: `id // node` is its node."""
+  id: int
+  process_index: int
+  slice_index: int
+  platform: str = 'gpu'
+  device_kind: str = 'planned'
+
+
+def planned_devices(shape: dict[str, int], layout: str, node_devices: int) -> np.ndarray:
+  """Device numbers laid out as make_mesh lays out a run of nodes of `node_devices`."""
+  n = int(np.prod(list(shape.values())))
+  if layout != 'hsdp' or n <= node_devices:
+    return np.arange(n).reshape(tuple(shape.values()))
+  slots = [_Slot(i, i // node_devices, i // node_devices) for i in range(n)]
+  return np.vectorize(lambda d: d.id)(hsdp_devices(shape, slots))
+
+
+def step_traffic(abstract_params: Any, shape: dict[str, int], layout: str, node_devices: int,
+                 micro_batches: int) -> dict[str, float]:
+  """Bytes one device sends per train step, {'within': ..., 'across': ...} nodes.
+
+  Per micro-batch (the step's gradient accumulator is sharded like the state, so
+  XLA reduces every micro-batch's gradients): each sharded weight is all-gathered
+  over its shard group twice, for the forward and again for the backward, and its
+  gradient reduce-scattered over it; the gradient shard is then all-reduced over the
+  replicas (the batch axes the weight is not sharded over). Weights and gradients
+  move in their float32 (as XLA's compiled step gathers them before the bf16 cast).
+  A ring collective over n devices sends (n-1)/n of the whole per device, twice
+  that for an all-reduce. A collective's group counts as 'within' when it lies in
+  one node, else all its bytes count 'across'. Tensor and context parallelism's
+  activation traffic is not counted.
+  """
+  grid = planned_devices(shape, layout, node_devices)
+  axes = list(shape)
+
+  def inside_a_node(group_axes: tuple[str, ...]) -> bool:
+    if not group_axes:
+      return True
+    moved = np.moveaxis(grid, [axes.index(a) for a in group_axes],
+                        range(grid.ndim - len(group_axes), grid.ndim))
+    nodes = moved.reshape(-1, int(np.prod([shape[a] for a in group_axes]))) // node_devices
+    return bool((nodes == nodes[:, :1]).all())
+
+  sent = {'within': 0.0, 'across': 0.0}
+  mesh = AbstractMesh(tuple(shape.values()), tuple(shape))
+  for leaf in jax.tree.leaves(placed(abstract_params, mesh)):
+    spec = leaf.sharding.spec
+    sharded = tuple(a for part in spec if part
+                    for a in ((part,) if isinstance(part, str) else part))
+    whole = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    g = int(np.prod([shape[a] for a in sharded])) if sharded else 1
+    if g > 1:  # two gathers and one reduce-scatter over the shard group
+      sent['within' if inside_a_node(sharded) else 'across'] += 3 * (g - 1) / g * whole
+    replicas = tuple(a for a in BATCH_AXES + ('context',) if a in shape and a not in sharded)
+    r = int(np.prod([shape[a] for a in replicas])) if replicas else 1
+    if r > 1:  # the gradient shard's all-reduce over the replicas
+      sent['within' if inside_a_node(replicas) else 'across'] += 2 * (r - 1) / r * whole / g
+  return {k: v * micro_batches for k, v in sent.items()}
+
+
 # --- Hosts ------------------------------------------------------------------------------
 
 
 def cluster_detected() -> str | None:
-  """Names the multi-process environment JAX can configure itself from, if any."""
+  """Names the multi-process environment this process was started in, if any."""
+  launch = launchers.detect(dict(os.environ))
+  if launch is not None:
+    return launch.source  # SLURM (srun) or torchrun-style variables
   if os.environ.get('JAX_COORDINATOR_ADDRESS'):
     return 'JAX_COORDINATOR_ADDRESS'
-  if int(os.environ.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in os.environ:
-    return 'SLURM'  # srun: one task per host (or per accelerator)
   hosts = os.environ.get('TPU_WORKER_HOSTNAMES')
   if hosts == kernels.xla.LIBTPU_PLACEHOLDERS['TPU_WORKER_HOSTNAMES'] and not (
       kernels.xla.has_tpu_chips()):
@@ -231,10 +390,12 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
                      num_processes: int | None = None, heartbeat_timeout: int = 100) -> None:
   """Joins a multi-process run before any device is touched; a no-op for one process.
 
-  Explicit coordinator_address/process_id/num_processes win; otherwise JAX's
-  own detection runs on TPU pods and under SLURM. num_processes=1 alone is one
-  process with no detection (a lone TPU host whose metadata server is out of
-  reach). CPU processes talk through gloo collectives (local multi-process tests).
+  Explicit coordinator_address/process_id/num_processes win; otherwise SLURM's
+  srun and torchrun-style variables are read (hosts/launchers.py, which also
+  picks the GPUs each process trains on: every GPU of every node), and JAX's
+  own detection runs on TPU pods. num_processes=1 alone is one process with no
+  detection (a lone TPU host whose metadata server is out of reach). CPU
+  processes talk through gloo collectives (local multi-process tests).
   """
   explicit = {'coordinator_address': coordinator_address, 'process_id': process_id,
               'num_processes': num_processes}
@@ -244,19 +405,31 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
   if given and len(given) < 3:
     raise errors.ConfigError(f'--{", --".join(given)} given without '
                              f'--{", --".join(sorted(set(explicit) - set(given)))}; a '
-                             'multi-process run needs all three (or none, on a TPU pod or '
-                             'SLURM).')
-  source = 'flags' if given else cluster_detected()
+                             'multi-process run needs all three (or none, on a TPU pod, '
+                             'under SLURM or torchrun-style variables).')
+  env = dict(os.environ)
+  launch = launchers.detect(env, coordinator_address, process_id, num_processes)
+  source = launch.source if launch else cluster_detected()
   if source is None:
     return
-  if given and process_id == 0:
-    check_coordinator_port(coordinator_address)
+  kwargs: dict[str, Any] = {}
+  if launch is not None:
+    kwargs = {k: v for k, v in (('coordinator_address', launch.coordinator_address),
+                                ('num_processes', launch.num_processes),
+                                ('process_id', launch.process_id)) if v is not None}
+    cpu_only = os.environ.get('JAX_PLATFORMS', '').strip() == 'cpu'
+    if not cpu_only and 'JAX_LOCAL_DEVICE_IDS' not in env:  # that variable: JAX reads it
+      ids = launchers.local_device_ids(launch, env)
+      if ids is not None:
+        kwargs['local_device_ids'] = ids
+    if launch.coordinator_address and launch.process_id == 0:
+      check_coordinator_port(launch.coordinator_address)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # A dead peer is noticed by its missing heartbeats: the survivors end (hosts/peers.py)
   # instead of hanging in a collective, so the run can be restarted.
   try:
     client, address = initialize_with_callback(
-        peers.on_lost, **(explicit if given else {}), heartbeat_timeout_seconds=heartbeat_timeout)
+        peers.on_lost, **kwargs, heartbeat_timeout_seconds=heartbeat_timeout)
   except Exception as e:  # pylint: disable=broad-except
     if source != 'Cloud TPU' or 'metadata' not in f'{e!r} {e.__context__!r}':
       raise
@@ -265,8 +438,12 @@ def init_distributed(coordinator_address: str | None = None, process_id: int | N
         f'slice\'s hosts, and it could not be reached ({type(e).__name__}); on a single '
         'host pass --num_processes=1, on a pod --coordinator_address, --process_id and '
         '--num_processes.') from e
-  logging.info('Process %d of %d (%s), %d local of %d devices.', jax.process_index(),
-               jax.process_count(), source, jax.local_device_count(), jax.device_count())
+  local = jax.local_devices()
+  logging.info('Process %d of %d (%s), %d %s devices per process%s, %d devices in all.',
+               jax.process_index(), jax.process_count(),
+               launch.describe() if launch else source, len(local), local[0].platform,
+               f' (local ids {kwargs["local_device_ids"]})' if 'local_device_ids' in kwargs
+               else '', jax.device_count())
   if client is not None:
     peers.watch(client, jax.process_index(), jax.process_count(), address, heartbeat_timeout)
 

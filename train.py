@@ -57,6 +57,7 @@ from hosts import host_sync
 from hosts import peers
 from hosts import workdir_lock
 import kernels
+from kernels import gpu_flags
 import loss
 import model
 from monitor import goodput
@@ -246,7 +247,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   accum = batches.grad_accum_steps(cfg.data.global_batch_size,
                                    int(np.prod([mesh.shape[a] for a in BATCH_AXES])),
                                    cfg.train.micro_batch_size)
-  impl, why = kernels.resolve(cfg.model, segments=data.wants_segments(cfg.data))
+  impl, why = kernels.resolve(cfg.model, segments=data.wants_segments(cfg.data),
+                             context_parallel=mesh.shape.get('context', 1) > 1)
   logging.info('attention_impl=%s (%s).', impl, why)
   tx = optim.make_optimizer(cfg.opt)
   sharding.check_state_fits(abstract_state(cfg, tx), mesh)
@@ -423,6 +425,9 @@ def run() -> None:
     health.Preemption.install()
   COLLECTOR_PAUSED = goodput.pause_collector() or COLLECTOR_PAUSED  # starts like train.py
   kernels.xla.set_cpu_flags()  # before anything starts a JAX backend
+  # On a GPU host: the XLA GPU flags that pay, and the allocator's share of memory that
+  # plan.py budgets (kernels/gpu_flags.py); anything the user set wins.
+  gpu_flags.apply()
   # Without --config in argv this already parses the default file and the overrides.
   with config_checks.config_mistakes_in_one_line(sys.argv, DEFAULT_CONFIG):
     config_flags.DEFINE_config_file('config', DEFAULT_CONFIG, 'Training config file.')

@@ -70,6 +70,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import checkpoint  # pylint: disable=g-import-not-at-top,wrong-import-position
+from kernels import xla  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _BLOCK = 64 << 20
 
@@ -447,6 +448,7 @@ def _print_vs_orbax(out: dict) -> None:
 
 
 def main() -> None:
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--size_gb', type=float, default=1.0)
   parser.add_argument('--dir', default=None, help='filesystem to test (default: $TMPDIR)')

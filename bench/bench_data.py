@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402  pylint: disable=wrong-import-position
+from kernels import xla  # noqa: E402  pylint: disable=wrong-import-position
 from tokens import batches  # noqa: E402  pylint: disable=wrong-import-position
 
 _MODE = flags.DEFINE_enum('mode', 'throughput', ['throughput', 'full_scale'], 'What to measure.')
@@ -191,6 +192,7 @@ def full_scale(workdir: str) -> None:
 
 
 def main(argv):
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   del argv
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='bench_data_')
   os.makedirs(workdir, exist_ok=True)

@@ -1,6 +1,8 @@
-"""The first accelerator check: the 7B's layer shapes on one GPU or TPU, in under 8 minutes.
+"""The accelerator check: the 7B's layer shapes on one GPU or TPU, in one call.
 
-    python bench/device_check.py [--out=result.json]     # one GPU (e.g. H200)
+    python bench/device_check.py [--out=result.json]     # one GPU (e.g. H200): the GPU
+                            # check's sections (bench/gpu_check.py), one JSON line, < 9.5 min
+    JAX_PLATFORMS=cpu python bench/device_check.py --gpu --tiny   # its CPU stand-in
     python bench/device_check.py --layers=2 --vocab=8192 --fit --compare_hd256  # one TPU v5e
     python bench/device_check.py --layers=2 --vocab=8192 --profile=P  # + P/step.hlo.txt:
                                                   # bench/profile_breakdown.py reads both
@@ -35,12 +37,11 @@ state does not fit the chip (a 16 GiB TPU v5e); MFU counts the shrunk head.
   hd256       (--hd256) the same step with configs/olmo3_7b_hd256.py's heads
               (16 x 256, same parameters and FLOPs) in a child, beside the
               32 x 128 step of this run: their time ratio
-  attention   on a GPU jax.nn.dot_product_attention implementation='cudnn'
-              against 'xla'; on a TPU the compiled Pallas kernel (kernels/)
-              against model.reference_attention under XLA, outputs and
-              gradients, at head_dim 128 and 256; causal and with the
-              4,096-token sliding window, T = seq_len (on CPU: 'xla' against
-              model.reference_attention)
+  attention   on a TPU the compiled Pallas kernel (kernels/) against
+              model.reference_attention under XLA, outputs and gradients, at
+              head_dim 128 and 256; causal and with the 4,096-token sliding
+              window, T = seq_len (on CPU: the XLA path against
+              model.reference_attention, outputs and gradients, relative errors)
   restart     a child process compiles and runs one step, twice, on one
               persistent compilation cache (goodput.compilation_cache): the
               second is a warm restart. The children run first (restart,
@@ -64,9 +65,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from kernels import gpu_flags  # noqa: E402
+from kernels import xla  # noqa: E402
 
 
 def rope_matmul(x_BTHK, cos_BTk, sin_BTk):
@@ -240,29 +245,24 @@ def check_policies(args, pod_devices: int = 256) -> dict:
 
 
 def check_attention(cfg) -> dict:
+  """TPU: the compiled Pallas kernel vs XLA (pallas_vs_xla). Elsewhere the XLA path
+  (kernels/xla.py) vs model.reference_attention, forward and gradients, relative errors
+  (a GPU host runs bench/gpu_check.py's numerics instead: ours, cuDNN and XLA)."""
   platform = jax.devices()[0].platform
   if platform == 'tpu':
     return {f'{name} K={k}': pallas_vs_xla(cfg.data.seq_len, k, window)
             for k in (128, 256) for name, window in (('causal', None),
                                                     ('sliding', cfg.model.sliding_window))}
-  import model  # pylint: disable=import-outside-toplevel
+  import gpu_check  # pylint: disable=import-outside-toplevel
   T, H, K = cfg.data.seq_len, cfg.model.num_heads, cfg.model.head_dim
-  keys = jax.random.split(jax.random.key(1), 3)
-  q, k, v = (jax.random.normal(key, (1, T, H, K), jnp.bfloat16) for key in keys)
+  dtype = jnp.float32 if cfg.model.dtype == 'float32' else jnp.bfloat16
+  q, k, v, do = gpu_check.qkv(T, H, H, K, dtype=dtype)
+  attn = lambda q, k, v, window, seg: xla.attention(q, k, v, window=window, segment_ids_BT=seg)
   out = {}
   for name, window in (('causal', None), ('sliding', cfg.model.sliding_window)):
-    local = None if window is None else (window - 1, 0)  # query i sees keys (i-W, i]
-    xla = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                       implementation='xla')
-    if platform == 'gpu':
-      other = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                           implementation='cudnn')
-      label = 'cudnn vs xla'
-    else:  # no cuDNN here: the XLA path against the model's own reference equations
-      other = model.reference_attention(q, k, v, window=window)
-      label = 'xla vs model.reference_attention'
-    diff = float(jnp.max(jnp.abs(xla.astype(jnp.float32) - other.astype(jnp.float32))))
-    out[name] = {'compared': label, 'max abs diff': diff, 'ok': diff < 3e-2}
+    errors = gpu_check.relative_errors(attn, q, k, v, do, window, None)
+    out[name] = {'compared': 'xla vs model.reference_attention, out and grads',
+                 'relative error': errors, 'ok': max(errors.values()) < 2e-2}
   return out
 
 
@@ -496,6 +496,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--compare_hd256', action='store_true',
                  help='also time the 16 x 256 step in a child, beside the 32 x 128 one')
   p.add_argument('--out', default='', help='write every number here as JSON')
+  p.add_argument('--gpu', action='store_true', help='the GPU check (bench/gpu_check.py; '
+                 'the default on a host with an NVIDIA GPU; with --tiny its CPU stand-in)')
+  p.add_argument('--budget_s', type=float, default=570.0,
+                 help='the GPU check stops starting sections past this (s)')
+  p.add_argument('--sections', default='', help='the GPU check: a comma-separated subset')
   p.add_argument('--profile', default='', help='a jax.profiler trace of the timed steps '
                  "(the memory check's process) into this directory")
   for hidden in ('--child', '--predict', '--predict_fit', '--step_child'):
@@ -507,8 +512,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   p = parser()
   args = p.parse_args()
+  hidden = any(getattr(args, h) for h in ('child', 'predict', 'predict_fit', 'step_child'))
+  if args.gpu or (not hidden and not args.policies and not args.tiny and gpu_flags.has_gpu()):
+    import gpu_check  # pylint: disable=import-outside-toplevel
+    sys.exit(gpu_check.main([f'--budget_s={args.budget_s}', f'--sections={args.sections}']
+                            + ['--tiny'] * args.tiny + ([f'--out={args.out}'] if args.out else [])))
   if (args.layers < 1 or args.steps < 1 or args.sequences < 1 or args.fit_max < 1
       or args.vocab < 0 or args.vocab % 128):
     p.error('--layers, --steps, --sequences and --fit_max must be at least 1, --vocab 0 or a '

@@ -61,7 +61,9 @@ def model_config() -> ml_collections.ConfigDict:
   # fits 'mlp_out,attn' in 15 GB (7% faster on a v5e), a v5e-64 'mlp_out' (3.8%):
   # docs/recipe.md, plan.py --policies.
   m.remat = 'full'
-  m.attention_impl = 'auto'  # Pallas on TPU, cuDNN on GPU, xla on CPU: kernels.resolve
+  # Pallas on TPU; on GPU cuDNN, or the Pallas GPU kernel for documents and context
+  # parallelism; xla on CPU: kernels.resolve
+  m.attention_impl = 'auto'
   m.attention_block_q = config_dict.placeholder(int)  # kernel block sizes; None: kernels' table
   m.attention_block_kv = config_dict.placeholder(int)
   return m
@@ -154,6 +156,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.mesh_fsdp = -1  # FSDP shards; -1 = all remaining devices
   c.train.mesh_tensor = 1  # tensor-parallel axis
   c.train.mesh_context = 1  # context-parallel axis: splits the sequence (stage 3: 8)
+  # How the mesh meets the nodes (sharding.layout_for; docs/gpus.md#the-mesh). 'hsdp': the
+  # state is sharded over mesh_fsdp devices (-1: one node) and replicated across the rest,
+  # the shards inside a node, the replicas across nodes; 'fsdp': one mesh in device order.
+  # 'auto' is OLMo-core pretrain-1's dp_config HSDP on GPUs (num_replicas = the nodes,
+  # shard_degree = the 8 GPUs of a node: 64 replicas x 8 on 512 H100s) and 'fsdp' on TPUs,
+  # whose slice is one interconnect (the settings above: every chip shards the state).
+  c.train.mesh_layout = 'auto'
   c.train.log_every = 10  # OLMo-core: metrics every 10 steps
   c.train.ckpt_every = 1000  # OLMo-core pretrain-1: save_interval
   c.train.keep_last = 3  # committed checkpoints kept besides keep_every ones

@@ -328,8 +328,8 @@ def downstream_evaluator(cfg: ml_collections.ConfigDict, mesh: Mesh,
   bounds = np.cumsum([0] + [len(task.entries) for task in tasks])
   the_plan = layout(packing, mesh, rows_per_batch(cfg, mesh))
   cfg_model = ml_collections.ConfigDict(cfg.model.to_dict())
-  if cfg_model.attention_impl == 'cudnn':  # packed rows need segment ids, which cuDNN lacks here
-    cfg_model.attention_impl = 'xla'
+  if cfg_model.attention_impl == 'cudnn':  # packed rows need segment ids, which cuDNN lacks:
+    cfg_model.attention_impl = 'auto'  # the GPU's flash kernel for them (kernels.resolve)
   score = score_fn(cfg_model, mesh)
   row_sharding = sharding.batch_sharding(mesh)
   logging.info('Downstream evals: %d tasks, %d scored continuations, %d tokens in %d batches '

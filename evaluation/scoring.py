@@ -127,8 +127,8 @@ def load_model(path: str, *, step: int | None = None, dtype: str = 'float32',
       lm = _from_hf_source(params, full.model, meta, path, step)
   lm.cfg = ml_collections.ConfigDict(lm.cfg.to_dict())  # unlocked copy we may edit
   lm.cfg.dtype = dtype
-  if lm.cfg.attention_impl == 'cudnn':  # packed scoring needs segment ids, which cuDNN lacks here
-    lm.cfg.attention_impl = 'xla'
+  if lm.cfg.attention_impl == 'cudnn':  # packed scoring needs segment ids, which cuDNN lacks:
+    lm.cfg.attention_impl = 'auto'  # the GPU's flash kernel for them (kernels.resolve)
   lm.max_length = max_length or lm.max_length
   lm.params = jax.device_put(jax.tree.map(np.asarray, lm.params))
   return lm

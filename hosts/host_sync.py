@@ -20,8 +20,12 @@ import jax
 # For the coordination service's key-value store. jax 0.10.2 has no public accessor for
 # its client: jax.distributed offers only initialize, is_initialized and shutdown, and
 # jax.experimental.multihost_utils only device collectives. orbax and jax's own
-# array_serialization read the client here too.
-from jax._src import distributed as jax_distributed
+# array_serialization read the client here too. A JAX that moved it still runs one
+# process; a multi-process run then stops at start naming the version (Sync).
+try:
+  from jax._src import distributed as jax_distributed
+except ImportError:
+  jax_distributed = None
 
 import errors
 from store import storage
@@ -39,6 +43,10 @@ class Sync:
     self.count = jax.process_count()
     self.client = None
     if self.count > 1:
+      if jax_distributed is None:
+        raise RuntimeError(f'JAX {jax.__version__} has no jax._src.distributed, where this '
+                           'code finds the coordination service\'s key-value store for '
+                           'multi-process runs; use the JAX version pyproject.toml pins.')
       self.client = jax_distributed.global_state.client  # see the import
       if self.client is None:
         raise RuntimeError('Multi-process coordination needs jax.distributed.initialize() '
@@ -65,6 +73,8 @@ class Sync:
 def one_process() -> bool:
   """Whether this run is one process, known before a backend starts (after
   sharding.init_distributed; jax.process_count() would start the backend)."""
+  if jax_distributed is None:
+    return not jax.distributed.is_initialized()
   state = jax_distributed.global_state  # see the import
   return state.client is None or state.num_processes == 1
 

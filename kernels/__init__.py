@@ -3,17 +3,25 @@
 model.py writes a block as matmuls and one attention call; `select(cfg)`
 returns the functions that run them for `cfg.attention_impl`:
 
-  impl              attention                                  matmul
-  'xla'             kernels/xla.py: query-blocked, causal      kernels/xla.py (CPU-tuned backward)
-  'pallas'          kernels/flash_attention.py (TPU; CPU tests  x @ w
-                    run it in Pallas' interpreter)
-  'cudnn'           jax.nn.dot_product_attention on cuDNN (GPU) x @ w
-  'flash_stand_in'  plan.py's CPU compile of a TPU/GPU step:   x @ w
-                    a flash kernel's shapes and O(T) memory,
-                    not its math (never for training)
-  'auto'            `resolve`: 'pallas' on TPU, 'cudnn' on GPU where cuDNN
-                    supports the step, else 'xla' (CPU included)
+  impl              runs on  attention                                matmul
+  'xla'             any      kernels/xla.py: query-blocked, causal    kernels/xla.py (CPU-tuned
+                                                                      backward)
+  'pallas'          TPU      kernels/flash_attention.py +             x @ w
+                             kernels/flash_kernels.py (Mosaic; CPU
+                             tests run it in Pallas' interpreter)
+  'pallas_gpu'      GPU      kernels/flash_gpu.py (Triton; CPU tests  x @ w
+                             run it in Pallas' interpreter)
+  'cudnn'           GPU      jax.nn.dot_product_attention on cuDNN    x @ w
+  'flash_stand_in'  CPU      plan.py's CPU compile of a TPU/GPU step: x @ w
+                             a flash kernel's shapes and O(T) memory,
+                             not its math (never for training)
+  'auto'            `resolve` picks, and says why: 'pallas' on TPU; on GPU 'cudnn'
+                    where cuDNN takes the step, else 'pallas_gpu' (document masking,
+                    context parallelism, float32, head_dim cuDNN refuses); 'xla' on
+                    CPU, or where no flash kernel takes the head_dim.
 
+kernels/context_parallel.py splits attention over the mesh's 'context' axis
+with the impl's kernel as the local attention (TPU or GPU flash, or XLA).
 kernels/chunked_ce.py is the third speed path: the output head's logits and
 cross-entropy sums for a chunk of positions, with a backward that writes the
 logits' gradient over them in place (loss.py calls it).
@@ -21,7 +29,8 @@ logits' gradient over them in place (loss.py calls it).
 Shapes: B batch, T queries, S keys, H query heads, G kv heads, K head_dim.
 
 kernels/ imports nothing of the project outside itself: model.py, loss.py and every
-layer above may call it (tests/test_layout.py).
+layer above may call it (tests/test_layout.py). Importing it changes nothing in the
+environment (the libtpu placeholders are set by the entry points: xla.quiet_libtpu).
 """
 
 from collections.abc import Callable
@@ -37,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 import ml_collections
 
 from kernels import context_parallel
+from kernels import flash_gpu
 from kernels import flash_kernels
 from kernels import xla
 from kernels.flash_attention import BlockSizes
@@ -46,31 +56,93 @@ from kernels.flash_attention import flash_attention
 from kernels.flash_attention import kv_block_visits
 from kernels.flash_attention import TPU_DEVICE_KINDS
 
-IMPLS = ('auto', 'xla', 'pallas', 'cudnn', 'flash_stand_in')
-
-# Every entry point that starts a backend imports this package (through model.py) first:
-# where libtpu is installed on a host without TPU chips, its warnings are kept quiet.
-xla.quiet_libtpu()
+IMPLS = ('auto', 'xla', 'pallas', 'pallas_gpu', 'cudnn', 'flash_stand_in')
+GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 
 class Ops(NamedTuple):
   """What one block calls: matmul(x, w) and attention(q, k, v, *, window, segment_ids_BT,
-  names=None). `names`, (output, log-sum-exp), are the checkpoint names a remat policy
-  saves the attention's residuals by: every impl names its output; the Pallas kernel
-  names its log-sum-exp too, which lets a policy skip the forward's recomputation."""
+  names=None).
+
+  `names` is (output name, log-sum-exp name), the checkpoint names a remat
+  policy saves attention's residuals by (model.py passes `attn_out` and
+  `attn_lse` qualified by the layer's position). Every impl names its output.
+  The flash kernels ('pallas' on TPU, 'pallas_gpu' on GPU) also name their
+  float32 log-sum-exp [B, H, T], so a policy that saves both skips the
+  forward's recomputation in the backward. 'cudnn' cannot: JAX's cuDNN path
+  keeps its softmax statistics inside its own custom_vjp, so a policy saving
+  `attn` keeps the output but the backward recomputes cuDNN's forward for the
+  statistics. 'xla' has no log-sum-exp (it keeps float32 probabilities).
+  """
   impl: str
   matmul: Callable[[jax.Array, jax.Array], jax.Array]
   attention: Callable[..., jax.Array]
 
 
-def cudnn_unsupported(cfg: ml_collections.ConfigDict, segments: bool) -> str:
-  """Why cuDNN's fused attention cannot run this model's step ('' if it can)."""
+_CUDNN_HOPPER = (9, 0)  # compute capability from which cuDNN takes head_dim 256
+_CUDNN_HD256_VERSION = 90500  # ... with cuDNN 9.5 or newer
+
+
+def _gpu_facts() -> tuple[tuple[int, int] | None, int | None]:
+  """(compute capability, cuDNN version as 90500 for 9.5.0) of this process's first GPU;
+  None for what cannot be read (no GPU backend, or no cuDNN version exposed)."""
+  try:
+    if jax.default_backend() != 'gpu':
+      return None, None
+    cc_text = getattr(jax.devices()[0], 'compute_capability', None)  # '9.0' on CUDA
+    cc = tuple(int(x) for x in str(cc_text).split('.')[:2]) if cc_text else None
+  except (RuntimeError, ValueError):
+    return None, None
+  try:  # private: JAX has no public cuDNN version; a JAX without it reads as unknown
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    version = int(cuda_versions.cudnn_get_version()) if cuda_versions else None
+  except Exception:  # pylint: disable=broad-except
+    version = None
+  return cc, version
+
+
+def cudnn_max_head_dim(this_process: bool = True) -> tuple[int, str]:
+  """The largest head_dim cuDNN attention takes, and why.
+
+  this_process: the GPU this process runs on (its backend is started, if it
+  is not yet); False: a GPU elsewhere (plan.py --platform=gpu), nothing asked.
+
+  256 on Hopper or newer (compute capability >= 9.0) with cuDNN >= 9.5, else
+  128 (JAX's own check: jax/_src/cudnn/fused_attention_stablehlo.py). Where
+  the process has no GPU (plan.py planning a GPU step on a CPU), the target is
+  taken to be Hopper; where JAX exposes no cuDNN version, JAX's gate (compute
+  capability alone) is trusted.
+  """
+  cc, version = _gpu_facts() if this_process else (None, None)
+  if cc is None:
+    where = 'no GPU in this process' if this_process else 'a GPU planned for from elsewhere'
+    return 256, f'{where}: a Hopper GPU assumed'
+  if cc < _CUDNN_HOPPER:
+    return 128, f'compute capability {cc[0]}.{cc[1]} (< 9.0)'
+  if version is not None and version < _CUDNN_HD256_VERSION:
+    return 128, f'cuDNN {version} (< 9.5)'
+  return 256, f'compute capability {cc[0]}.{cc[1]}, cuDNN {version or "version unknown"}'
+
+
+def cudnn_unsupported(cfg: ml_collections.ConfigDict, segments: bool,
+                      this_process: bool = True) -> str:
+  """Why cuDNN's fused attention cannot run this model's step ('' if it can);
+  this_process: as cudnn_max_head_dim's."""
   if segments:
     return 'document masking (segment ids)'
   if cfg.dtype not in ('bfloat16', 'float16'):
     return f'{cfg.dtype} compute (cuDNN flash attention takes bf16/fp16)'
-  if cfg.head_dim > 128 or cfg.head_dim % 8:
-    return f'head_dim {cfg.head_dim} (cuDNN flash attention: a multiple of 8, at most 128)'
+  limit, why = cudnn_max_head_dim(this_process)
+  if cfg.head_dim > limit or cfg.head_dim % 8:
+    return (f'head_dim {cfg.head_dim} (cuDNN flash attention: a multiple of 8, at most '
+            f'{limit}: {why})')
+  return ''
+
+
+def pallas_gpu_unsupported(cfg: ml_collections.ConfigDict) -> str:
+  """Why the Pallas GPU kernel cannot run this model's attention ('' if it can)."""
+  if cfg.head_dim not in flash_gpu.HEAD_DIMS:
+    return f'head_dim {cfg.head_dim} (the GPU kernel takes {flash_gpu.HEAD_DIMS})'
   return ''
 
 
@@ -82,25 +154,33 @@ def pallas_unsupported(cfg: ml_collections.ConfigDict) -> str:
 
 
 def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
-            segments: bool) -> tuple[str, str]:
+            segments: bool, context_parallel: bool = False) -> tuple[str, str]:
   """(impl, why) for cfg.attention_impl on `platform` (default: JAX's backend).
 
   An explicit impl is kept as it is; 'auto' picks the platform's flash kernel
-  where it supports the step.
+  where it supports the step. context_parallel: the sequence is split over a
+  'context' mesh axis (the local attention then needs a query offset).
   """
   if cfg.attention_impl != 'auto':
     return cfg.attention_impl, 'set in the config'
+  here = platform is None  # this process's backend, not a platform planned for from elsewhere
   platform = platform or jax.default_backend()
   if platform == 'tpu':
     reason = pallas_unsupported(cfg)
     if not reason:
       return 'pallas', 'auto on TPU: the Pallas flash kernel'
     return 'xla', f'auto on TPU: the Pallas kernel does not support {reason}'
-  if platform in ('gpu', 'cuda', 'rocm'):
-    reason = cudnn_unsupported(cfg, segments)
+  if platform in GPU_PLATFORMS:
+    reason = cudnn_unsupported(cfg, segments, this_process=here)
+    if context_parallel and not reason:
+      reason = 'context parallelism (query offsets)'
     if not reason:
       return 'cudnn', 'auto on GPU: cuDNN flash attention'
-    return 'xla', f'auto on GPU: cuDNN does not support {reason}'
+    if not pallas_gpu_unsupported(cfg):
+      return 'pallas_gpu', ('auto on GPU: the Pallas GPU flash kernel (cuDNN does not support '
+                            f'{reason})')
+    return 'xla', (f'auto on GPU: cuDNN does not support {reason}, nor the Pallas GPU kernel '
+                   f'{pallas_gpu_unsupported(cfg)}')
   return 'xla', f'auto on {platform}: blocked XLA attention'
 
 
@@ -111,15 +191,19 @@ def select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
   attention runs through kernels/context_parallel.py with the impl's local
   attention; otherwise the impl's attention is returned as it is.
   """
-  ops = _select(cfg, segments=segments)
-  if context_parallel.degree() == 1:
+  split = context_parallel.degree() > 1
+  ops = _select(cfg, segments=segments, split=split)
+  if not split:
     return ops
   if ops.impl == 'pallas':
     local = context_parallel.pallas_local(cfg.attention_block_q, cfg.attention_block_kv,
                                           interpret=not pltpu.is_tpu_device())
+  elif ops.impl == 'pallas_gpu' or (ops.impl == 'cudnn' and not pallas_gpu_unsupported(cfg)):
+    # cuDNN's kernel takes no query offset: an explicit 'cudnn' splits on the GPU kernel.
+    local = context_parallel.PallasGpuLocal(interpret=_gpu_interpret())
   elif ops.impl == 'flash_stand_in':
     local = context_parallel.stand_in_local
-  else:  # 'xla', and 'cudnn' (whose kernel has no query offset)
+  else:  # 'xla', and 'cudnn' at a head_dim the GPU kernel does not take
     local = context_parallel.xla_local
   head_stride = cfg.context_head_stride
 
@@ -147,8 +231,13 @@ def _named(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   return run
 
 
-def _select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
-  impl, _ = resolve(cfg, segments=segments)
+def _gpu_interpret() -> bool:
+  """The GPU kernel runs in Pallas' interpreter off a GPU (CPU tests)."""
+  return jax.default_backend() != 'gpu'
+
+
+def _select(cfg: ml_collections.ConfigDict, *, segments: bool, split: bool = False) -> Ops:
+  impl, _ = resolve(cfg, segments=segments, context_parallel=split)
   if impl == 'xla':
     return Ops(impl, xla.matmul, _named(xla.attention))
   if impl == 'pallas':
@@ -159,11 +248,17 @@ def _select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
                              interpret=not pltpu.is_tpu_device(),  # CPU tests interpret
                              residual_names=names)
     return Ops(impl, jnp.matmul, _per_shard(pallas))
+  if impl == 'pallas_gpu':
+    def pallas_gpu(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT, names=None):
+      return flash_gpu.flash_attention_gpu(q_BTHK, k_BSGK, v_BSGK, window=window,
+                                           segment_ids_BT=segment_ids_BT,
+                                           interpret=_gpu_interpret(), residual_names=names)
+    return Ops(impl, jnp.matmul, _per_shard(pallas_gpu))  # a Triton call is not partitioned
   if impl == 'cudnn':
     reason = cudnn_unsupported(cfg, segments)
     if reason:
       raise NotImplementedError(f"attention_impl='cudnn' does not support {reason}; use "
-                                "'auto' (falls back to 'xla') or 'xla'.")
+                                "'auto' (picks 'pallas_gpu' for it) or 'pallas_gpu'.")
     return Ops(impl, jnp.matmul, _named(_cudnn))
   if impl == 'flash_stand_in':
     return Ops(impl, jnp.matmul, _named(_flash_stand_in))
@@ -171,7 +266,7 @@ def _select(cfg: ml_collections.ConfigDict, *, segments: bool) -> Ops:
 
 
 def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-  """Runs `attention` on each device's shard under a mesh (Mosaic kernels are not partitioned).
+  """Runs `attention` on each device's shard under a mesh (Pallas calls are not partitioned).
 
   Rows split over the batch axes and heads over 'tensor', as far as they
   divide; outside a mesh (tests, single device) it is `attention` itself.
@@ -196,6 +291,8 @@ def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 def _cudnn(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+  """cuDNN's fused attention through JAX (GPU). Its softmax statistics stay inside
+  JAX's custom_vjp: only the output can be named (see Ops)."""
   del segment_ids_BT  # None: cudnn_unsupported refuses segments
   # local_window_size=(left, right) keys; ours is W keys including the query.
   local = None if window is None else (window - 1, 0)
@@ -211,8 +308,8 @@ def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
 
 
 __all__ = [
-    'BlockSizes', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel', 'cudnn_unsupported',
-    'default_block_sizes',
-    'flash_attention', 'kv_block_visits', 'resolve', 'select',
+    'BlockSizes', 'GPU_PLATFORMS', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel',
+    'cudnn_max_head_dim', 'cudnn_unsupported', 'default_block_sizes', 'flash_attention',
+    'flash_gpu', 'kv_block_visits', 'pallas_gpu_unsupported', 'resolve', 'select',
     'TPU_DEVICE_KINDS', 'xla',
 ]

@@ -24,8 +24,10 @@ buffer's last L rows:
   'xla'     query blocks against only the keys their band reaches (xla.attend_block)
   stand-in  plan.py's O(S)-memory stand-in with the shapes above
 
-The Pallas kernel instead takes both of a device's chunks at once against the
-whole gathered sequence, told where they sit (`PallasLocal.zigzag`): its block
+The flash kernels instead take both of a device's chunks at once against the
+whole gathered sequence, told where they sit (`PallasLocal.zigzag` on a TPU,
+`PallasGpuLocal.zigzag` on a GPU, whose loop bounds come from the same
+starts): the TPU kernel's block
 schedule, one per device built ahead of time, visits only the kv blocks inside
 each chunk's causal/window band, so no padding or earlier rows are computed and
 a device's work is 1/C of the unsplit layer's (plus the diagonal blocks).
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import xla
 from kernels.flash_attention import flash_attention
+from kernels.flash_gpu import flash_attention_gpu
 from kernels.flash_attention import kv_block_visits
 
 AXIS = 'context'
@@ -134,6 +137,25 @@ class PallasLocal:
                            block_q=self.block_q, block_kv=self.block_kv,
                            interpret=self.interpret, q_chunk_starts=starts,
                            q_chunk_row=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGpuLocal:
+  """The GPU flash kernel (kernels/flash_gpu.py) as the local attention, in both forms:
+  it takes the same query offsets and chunk tables as the TPU kernel."""
+  interpret: bool
+
+  def __call__(self, q_BLHK, k_BSGK, v_BSGK, seg_BS, window):
+    s, l = k_BSGK.shape[1], q_BLHK.shape[1]
+    return flash_attention_gpu(q_BLHK, k_BSGK, v_BSGK, window=window, segment_ids_BT=seg_BS,
+                               interpret=self.interpret, q_offset=s - l)
+
+  def zigzag(self, q_B2LHK, k_BTGK, v_BTGK, seg_BT, window, device, cp: int):
+    chunk_len = k_BTGK.shape[1] // (2 * cp)
+    starts = tuple((r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp))
+    return flash_attention_gpu(q_B2LHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=seg_BT,
+                               interpret=self.interpret, q_chunk_starts=starts,
+                               q_chunk_row=device)
 
 
 def pallas_local(block_q: int | None, block_kv: int | None, interpret) -> PallasLocal:

@@ -58,7 +58,11 @@ def set_cpu_flags() -> None:
 
 
 def quiet_libtpu() -> None:
-  """Sets LIBTPU_PLACEHOLDERS where libtpu is installed and this host has no TPU chips."""
+  """Sets LIBTPU_PLACEHOLDERS where libtpu is installed and this host has no TPU chips.
+
+  Called where a backend is about to start (set_cpu_flags for train.py, plan.py and
+  bench/; tests/conftest.py), never at import: importing the model changes no
+  environment variable."""
   if importlib.util.find_spec('libtpu') and not has_tpu_chips():
     for key, value in LIBTPU_PLACEHOLDERS.items():
       os.environ.setdefault(key, value)

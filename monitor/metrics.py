@@ -4,11 +4,12 @@ Metric names are Ai2's W&B names ('train/CE loss', 'optim/LR',
 'throughput/device/TPS', ...), so a run's curves line up with OLMo-core's.
 MFU is model FLOPs per token (model.flops_per_token, OLMo-core's definition)
 times tokens per second over the device's dense bf16 peak: the vendor's
-figure from PEAK_FLOPS, or on CPU a matmul measured at start-up.
+figure from PEAK_FLOPS / GPU_PEAK_FLOPS (device_peak), or on CPU a matmul measured at start-up.
 """
 
 import json
 import os
+import re
 import subprocess
 import time
 from typing import Any
@@ -37,25 +38,60 @@ def wall_clock(key: str) -> bool:
 
 # --- Peak FLOP/s and MFU ----------------------------------------------------------------
 
-# Dense bf16 peak FLOP/s per device as JAX names the device kind (vendor spec
-# sheets). TPU7x counts one of the two devices per chip.
+# Dense bf16 peak FLOP/s per TPU device as JAX names the device kind (Google's TPU
+# spec pages). TPU7x counts one of the two devices per chip.
 PEAK_FLOPS = {
     'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12,
     'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 2307e12 / 2,
-    'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
 }
+
+# NVIDIA GPUs: JAX's device_kind is CUDA's device name ('NVIDIA H100 80GB HBM3', 'NVIDIA
+# H100 PCIe', 'NVIDIA H200 NVL', 'NVIDIA GH200 480GB', ...), which names the form factor
+# in words that vary by SKU, so families are matched by pattern, most specific first.
+# Dense bf16 Tensor Core peaks: NVIDIA's datasheets print them with 2:4 sparsity, so each
+# is half the printed figure. H100 SXM 1,979 -> 989 TFLOP/s, PCIe 1,513 -> 756, NVL 1,671
+# -> 835 (H100 datasheet); H200 SXM 1,979 -> 989, H200 NVL 1,671 -> 835 (H200 datasheet);
+# GH200 1,979 -> 989 (GH200 datasheet); B200 4.5 PF -> 2,250 (HGX B200 / DGX B200 spec:
+# 72 PF FP8 sparse for 8 GPUs); GB200 5 PF -> 2,500 (GB200 NVL72 datasheet, per GPU);
+# A100 SXM and PCIe, 40 and 80 GB: 312 (A100 datasheet, dense). Anything else (an
+# 'NVIDIA H100' naming no form factor, an H800, an L40S...) has no peak here: MFU is
+# then not reported rather than guessed (set train.peak_flops).
+GPU_PEAK_FLOPS = (
+    (r'GH200', 989e12, 'GH200'),
+    (r'GB200', 2500e12, 'GB200'),
+    (r'\bB200\b', 2250e12, 'B200'),
+    (r'H200.*\bNVL\b', 835e12, 'H200 NVL'),
+    (r'H200', 989e12, 'H200 SXM'),
+    (r'H100.*\bNVL\b', 835e12, 'H100 NVL'),
+    (r'H100.*\bPCIE\b', 756e12, 'H100 PCIe'),
+    (r'H100.*(\bSXM|HBM3)', 989e12, 'H100 SXM'),
+    (r'A100', 312e12, 'A100'),
+)
+
+
+def device_peak(kind: str) -> tuple[float, str] | None:
+  """(dense bf16 peak FLOP/s, family) for a device_kind string; None where unknown."""
+  if kind in PEAK_FLOPS:
+    return PEAK_FLOPS[kind], kind
+  upper = kind.upper()
+  for pattern, peak, family in GPU_PEAK_FLOPS:
+    if re.search(pattern, upper):
+      return peak, family
+  return None
 
 
 def peak_flops(cfg_train: ml_collections.ConfigDict) -> float | None:
-  """Per-device peak for MFU: the config override, the table, or a CPU matmul measurement."""
+  """Per-device peak for MFU: the config override, the tables, or a CPU matmul measurement."""
   if cfg_train.peak_flops:
     return float(cfg_train.peak_flops)
   kind = jax.devices()[0].device_kind
-  if kind in PEAK_FLOPS:
-    return PEAK_FLOPS[kind]
+  known = device_peak(kind)
+  if known:
+    return known[0]
   if jax.devices()[0].platform == 'cpu':
     return measured_matmul_flops()
-  logging.warning('No peak FLOP/s known for %r; MFU is not reported. Set train.peak_flops.', kind)
+  logging.warning('The peak FLOP/s of %r is unknown: MFU is not reported. Set '
+                  'train.peak_flops to its dense bf16 peak.', kind)
   return None
 
 

@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
+from kernels import xla  # noqa: E402
 from monitor import health  # noqa: E402
 from monitor import rollback  # noqa: E402
 from store import storage  # noqa: E402
@@ -599,6 +600,7 @@ def canonical_flags() -> None:
 
 
 def main(argv):
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   cfg = FLAGS.config

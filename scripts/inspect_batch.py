@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config_checks  # noqa: E402
 import data  # noqa: E402
 import errors  # noqa: E402
+from kernels import xla  # noqa: E402
 from monitor import rollback  # noqa: E402
 from store import storage  # noqa: E402
 from tokens import batches  # noqa: E402
@@ -148,6 +149,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   if len(argv) > 1:
     errors.report(f'unexpected arguments {argv[1:]}; flags take the form --name=value.',
                   errors.EXIT_USAGE)

@@ -72,6 +72,7 @@ import data  # noqa: E402  (after the repository root is importable)
 from evaluation.compare import compare_logits  # noqa: E402
 from formats import hf_ckpt  # noqa: E402
 from formats import olmo_core_ckpt  # noqa: E402
+from kernels import xla  # noqa: E402
 
 IGNORE_INDEX = -100
 
@@ -783,6 +784,7 @@ def default_workdir(init_seed: int, shape: dict, steps: int, warmup: int) -> str
 
 
 def main(argv) -> None:
+  xla.quiet_libtpu()  # libtpu without TPU chips: quiet, before a backend starts
   del argv
   F = flags.FLAGS
   shape = shape_overrides(**{k: getattr(F, k) for k in SHAPE_FIELDS})

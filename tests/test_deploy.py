@@ -68,7 +68,8 @@ def container(js: dict) -> dict:
 RESTART, UNCOUNTED, FAIL = 'restart (counted)', 'restart (uncounted)', 'fail'
 
 
-def job_failure(js: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> tuple[str, str] | None:
+def job_failure(js: dict, exit_code: int, conditions: tuple[str, ...] = ()
+                ) -> tuple[str, str] | None:
   """How one failed pod fails the slice's Job, as the Job controller decides (its
   matchPodFailurePolicy): (reason, message), or None when an Ignore rule remakes the pod."""
   job = slice_job(js)['template']['spec']
@@ -271,7 +272,7 @@ def parse_only(main, argv=None, flags_parser=None):
   rest = flags_parser(sys.argv)
   f, names = flags.FLAGS, main.__globals__
   out = {'rest': rest[1:], 'config': json.loads(f.config.to_json_best_effort())}
-  for name in ('workdir', 'topology', 'num_processes', 'coordinator_address'):
+  for name in ('workdir', 'topology', 'num_processes', 'coordinator_address', 'process_id'):
     if name in f:
       out[name] = f[name].value
   if 'workdir' in f and f.workdir:  # train.py's own spelling check of the location

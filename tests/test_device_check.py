@@ -95,3 +95,37 @@ def test_the_rope_lever_computes_the_models_rope():
     want = model.apply_rope(x.astype(dtype), cos, sin)
     got = device_check.rope_matmul(x.astype(dtype), cos, sin)
     assert got.dtype == want.dtype and bool(jnp.all(got == want))
+
+
+def _gpu_check(tmp_path, *flags, timeout=600):
+  out = tmp_path / 'gpu.json'
+  proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--gpu',
+                         '--tiny', f'--out={out}', *flags], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  last = json.loads(proc.stdout.strip().splitlines()[-1])  # ONE JSON line, last
+  assert last == json.loads(out.read_text())
+  return proc, last
+
+
+def test_the_gpu_check_records_what_its_budget_left_out(tmp_path):
+  """Past the budget no section starts; each is recorded as skipped, not dropped."""
+  proc, r = _gpu_check(tmp_path, '--budget_s=1', timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert list(r['sections']) == ['versions', 'numerics', 'speed', 'step', 'memory', 'flags',
+                                 'stage3', 'whole_7b']
+  assert all('time budget' in s['skipped'] for s in r['sections'].values())
+
+
+@pytest.mark.slow  # two children compile attention in Pallas' interpreter: ~50 s on 2 cores
+def test_the_gpu_checks_cpu_stand_in_reports_versions_and_gradient_errors(tmp_path):
+  proc, r = _gpu_check(tmp_path, '--sections=versions,numerics')
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  v = r['sections']['versions']
+  assert v['platform'] == 'cpu' and v['jax'] and v['tiny step loss'] > 0
+  assert v['peak FLOP/s'].startswith('unknown')  # a CPU is in no datasheet table
+  n = r['sections']['numerics']
+  rows = [*n['kernel cases'].values(), *n['7B shapes'].values()]
+  assert {'ours causal', 'xla causal', 'xla window 48'} <= set(n['7B shapes'])
+  for row in rows:  # forward and every gradient, relative to the float32 reference
+    assert {'out', 'dq', 'dk', 'dv'} <= set(row) and row['ok']
+    assert max(row[k] for k in ('out', 'dq', 'dk', 'dv')) < 1e-4  # float32 on CPU

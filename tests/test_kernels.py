@@ -492,9 +492,9 @@ def _model_cfg(**overrides):
     ('tpu', {}, True, 'pallas'),
     ('tpu', dict(head_dim=64, num_heads=8, num_kv_heads=8), False, 'xla'),  # small.py's
     ('gpu', {}, False, 'cudnn'),
-    ('gpu', {}, True, 'xla'),  # cuDNN takes no segment ids
-    ('gpu', dict(dtype='float32'), False, 'xla'),
-    ('gpu', dict(head_dim=256, num_heads=16, num_kv_heads=16), False, 'xla'),
+    ('gpu', {}, True, 'pallas_gpu'),  # cuDNN takes no segment ids: the Pallas GPU kernel
+    ('gpu', dict(dtype='float32'), False, 'pallas_gpu'),
+    ('gpu', dict(head_dim=256, num_heads=16, num_kv_heads=16), False, 'cudnn'),  # Hopper
     ('cpu', {}, False, 'xla'),
     ('cpu', dict(attention_impl='pallas'), False, 'pallas'),  # explicit wins
 ])

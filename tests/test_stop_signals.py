@@ -53,9 +53,11 @@ def test_sigterm_during_start_up_ends_pid_1_at_once_with_exit_3(tmp_path, when):
                             env=trainer_env(2), stdout=out, stderr=subprocess.STDOUT)
   try:
     pid = container_pid(proc)
-    if when == 'importing':
-      time.sleep(1.0)  # inside JAX's import, before any of the project's code has run
-      assert 'attention_impl=' not in log.read_text()
+    if when == 'importing':  # train.py's first lines have run (its shim), JAX's import not
+      cmdline = pathlib.Path(f'/proc/{pid}/cmdline')
+      while b'train.py' not in cmdline.read_bytes():  # sh has exec'd the interpreter
+        time.sleep(0.01)
+      time.sleep(0.3)
     else:
       wait_for(log, 'attention_impl=', proc)  # then the state check, the lock, the restore
     sent = time.time()

@@ -241,10 +241,14 @@ def test_parallel_loads_share_the_lock():
 
 @pytest.mark.fresh_interpreter  # a forked child would inherit the zygote's imports
 def test_libtpu_stays_quiet_on_a_host_without_tpu_chips():
-  # Without the placeholders (conftest.py sets them for the whole run), as a user's shell.
+  # Without the placeholders (conftest.py sets them for the whole run), as a user's shell;
+  # the entry points (train.py, plan.py, bench/) call set_cpu_flags before a backend starts
+  # (importing the model sets nothing: tests/test_kernels_gpu.py).
   env = {k: v for k, v in os.environ.items()
          if k not in xla.LIBTPU_PLACEHOLDERS and k != 'JAX_PLATFORMS'}
-  proc = subprocess.run([sys.executable, '-c', 'import model, jax; print(jax.devices()[0].platform)'],
+  code = ('from kernels import xla; xla.set_cpu_flags(); import model, jax; '
+          'print(jax.devices()[0].platform)')
+  proc = subprocess.run([sys.executable, '-c', code],
                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
   assert proc.returncode == 0 and proc.stdout.strip() == 'cpu', proc.stderr[-2000:]
   assert not xla.has_tpu_chips()
