@@ -410,6 +410,8 @@ def main(argv: list[str]) -> None:
     errors.report('--workdir is required (checkpoints and metrics go there).', errors.EXIT_USAGE)
   with errors.one_line():  # one spelling per place; a mistyped URL never becomes a folder
     workdir = storage.canonical(FLAGS.workdir, '--workdir')
+    if FLAGS.stop_grace_seconds is not None:
+      health.Preemption.set_grace(FLAGS.stop_grace_seconds)
   with peers.exits(), errors.one_line(  # peers: a lost process is one line too
       storage.join(workdir, 'error.log'), append=storage.append, restartable=(
       storage.StorageError, checkpoint.CheckpointReadError, checkpoint.CheckpointSaveError)):
@@ -433,6 +435,9 @@ def run() -> None:
     config_flags.DEFINE_config_file('config', DEFAULT_CONFIG, 'Training config file.')
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
   flags.DEFINE_integer('sample_tokens', 96, 'Length of the sample printed at the end (0: none).')
+  flags.DEFINE_string('stop_grace_seconds', None, 'Seconds the scheduler leaves between '
+                      'SIGTERM and SIGKILL (default $OLMO_STOP_GRACE_SECONDS; unset: '
+                      'unbounded): a checkpoint is written only when the saves so far fit.')
   flags.DEFINE_bool('dry_run', False, 'Moved: run python plan.py --config=... --devices=N.')
   sharding.define_host_flags()
   app.run(main, flags_parser=config_checks.parse_flags)

@@ -380,9 +380,10 @@ STOP_MARGIN_S = 3.0  # exit this long before the grace ends: exit 3 must beat th
 UNWIND_S = 5.0  # at start-up, the main thread's time to unwind (the lock released) first
 
 
-def stop_grace_seconds() -> float | None:
-  """$OLMO_STOP_GRACE_SECONDS: the time a SIGTERM leaves this process (None: unbounded)."""
-  text = os.environ.get(STOP_GRACE_ENV, '').strip()
+def stop_grace_seconds(text: str | None = None, name: str = STOP_GRACE_ENV) -> float | None:
+  """The time a SIGTERM leaves this process: `text` (a flag's value) or
+  $OLMO_STOP_GRACE_SECONDS; None: unbounded."""
+  text = (os.environ.get(STOP_GRACE_ENV, '') if text is None else str(text)).strip()
   if not text:
     return None
   try:
@@ -391,7 +392,7 @@ def stop_grace_seconds() -> float | None:
     value = float('nan')
   if not value > 0 or value == float('inf'):
     raise errors.ConfigError(
-        f'{STOP_GRACE_ENV}={text!r} is not a positive number of seconds: set it to the time '
+        f'{name}={text!r} is not a positive number of seconds: set it to the time '
         'the scheduler leaves between SIGTERM and SIGKILL (the pod\'s '
         'terminationGracePeriodSeconds; about 15 on a GKE Spot node), or unset it.')
   return value
@@ -441,6 +442,12 @@ class Preemption:
     """The command line's handler, before anything slow (train.run)."""
     cls._installed = cls(stop_grace_seconds(), owns_process=True)
     return cls._installed
+
+  @classmethod
+  def set_grace(cls, text: str) -> None:
+    """train.py's --stop_grace_seconds, over the variable, once the flags are parsed."""
+    if cls._installed is not None:
+      cls._installed.grace = stop_grace_seconds(text, '--stop_grace_seconds')
 
   @classmethod
   def for_loop(cls, ckpt: Any, start: int) -> 'Preemption':

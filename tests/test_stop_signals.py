@@ -83,10 +83,11 @@ def test_the_grace_decides_between_a_save_and_an_exit_at_once(tmp_path):
   saves this run has timed, it exits 3 at once, naming the committed step the run
   resumes from, and nothing later is committed."""
   workdir = tmp_path / 'w'
-  for grace, saves in (('600', True), ('1', False)):
-    log = tmp_path / f'grace_{grace}.log'
+  # The first from the manifests' variable; the second from the flag, which wins over it.
+  for grace, flag, saves in (('600', (), True), ('600', ('--stop_grace_seconds=1',), False)):
+    log = tmp_path / f'grace_{saves}.log'
     with open(log, 'w') as out:
-      proc = subprocess.Popen(train_args(workdir, 100000, 2), cwd=REPO, stdout=out,
+      proc = subprocess.Popen(train_args(workdir, 100000, 2, *flag), cwd=REPO, stdout=out,
                               stderr=subprocess.STDOUT,
                               env=trainer_env(2, OLMO_STOP_GRACE_SECONDS=grace))
     try:
@@ -111,11 +112,14 @@ def test_the_grace_decides_between_a_save_and_an_exit_at_once(tmp_path):
     assert step_dirs.latest_step(str(workdir / 'checkpoints')) == step
 
 
-def test_a_malformed_grace_is_one_line_and_exit_2(tmp_path):
-  proc = subprocess.run(train_args(tmp_path / 'w', 2, 2), cwd=REPO, capture_output=True,
-                        text=True, env=trainer_env(1, OLMO_STOP_GRACE_SECONDS='15s'),
+@pytest.mark.parametrize('env,flag,named', [
+    ('15s', (), "OLMO_STOP_GRACE_SECONDS='15s'"),
+    ('', ('--stop_grace_seconds=-5',), "--stop_grace_seconds='-5'")])
+def test_a_malformed_grace_is_one_line_and_exit_2(tmp_path, env, flag, named):
+  proc = subprocess.run(train_args(tmp_path / 'w', 2, 2, *flag), cwd=REPO, capture_output=True,
+                        text=True, env=trainer_env(1, OLMO_STOP_GRACE_SECONDS=env),
                         timeout=300)
   assert proc.returncode == errors.EXIT_USAGE, proc.stderr[-3000:]
   lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
-  assert len(lines) == 1 and "OLMO_STOP_GRACE_SECONDS='15s'" in lines[0], proc.stderr[-3000:]
+  assert len(lines) == 1 and named in lines[0], proc.stderr[-3000:]
   assert not (tmp_path / 'w').exists()
