@@ -76,14 +76,15 @@ LONGEST_FIRST = ('test_tpu_compile.py', 'test_storage_e2e.py', 'test_rollback.py
                  'test_multihost.py', 'test_olmo_core_ckpt.py', 'test_reproduce.py',
                  'test_train.py', 'test_model.py', 'test_rollback_multihost.py',
                  'test_in_loop_eval.py', 'test_faults.py', 'test_device_check.py',
-                 'test_plan.py', 'test_goodput.py', 'test_location_flags.py', 'test_storage.py',
+                 'test_plan.py', 'test_gpu_cluster.py', 'test_kernels_gpu.py',
+                 'test_goodput.py', 'test_location_flags.py', 'test_storage.py',
                  'test_tracking.py', 'test_held_out_multihost.py', 'test_long_context.py',
                  'test_deploy.py', 'test_remote_data.py', 'test_audit.py', 'test_loss.py',
-                 'test_bench_run.py', 'test_optim.py', 'test_checkpoint.py',
-                 'test_prepare_data.py', 'test_fetch_data.py', 'test_convert.py',
-                 'test_profile.py', 'test_run_messages.py', 'test_download.py',
-                 'test_token_files.py', 'test_events.py', 'test_sample.py', 'test_data.py',
-                 'test_offload.py')
+                 'test_bench_gpu_step.py', 'test_bench_run.py', 'test_optim.py',
+                 'test_checkpoint.py', 'test_prepare_data.py', 'test_fetch_data.py',
+                 'test_stop_signals.py', 'test_convert.py', 'test_profile.py',
+                 'test_run_messages.py', 'test_download.py', 'test_token_files.py',
+                 'test_events.py', 'test_sample.py', 'test_data.py', 'test_offload.py')
 
 
 def pytest_collection_modifyitems(items):
