@@ -118,16 +118,19 @@ def visible_gpus(env: dict[str, str]) -> int:
   """GPUs this process may open: CUDA_VISIBLE_DEVICES' entries, else the node's."""
   listed = env.get('CUDA_VISIBLE_DEVICES')
   if listed is not None:
-    return len([x for x in listed.split(',') if x.strip()])
+    return len([x for x in listed.split(',') if x.strip() and x.strip() != '-1'])
   return node_gpus(env)
 
 
 def node_gpus(env: dict[str, str]) -> int:
-  """GPUs the node has for this job: SLURM_GPUS_ON_NODE where SLURM allocated them,
-  else the NVIDIA device files (a container or cgroup shows only the job's)."""
+  """GPUs the node has for this job: SLURM_GPUS_ON_NODE where SLURM allocated them; else
+  CUDA_VISIBLE_DEVICES where the user or launcher set it (GPUs it hides are not the
+  job's); else the NVIDIA device files (a container or cgroup shows only the job's)."""
   allocated = _int(env, 'SLURM_GPUS_ON_NODE')
   if allocated:
     return allocated
+  if env.get('CUDA_VISIBLE_DEVICES') is not None:
+    return visible_gpus(env)
   return len([p for p in glob.glob('/dev/nvidia*') if re.fullmatch(r'/dev/nvidia\d+', p)])
 
 

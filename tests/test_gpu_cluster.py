@@ -92,6 +92,15 @@ def test_a_node_that_would_idle_gpus_is_one_line_naming_the_fix(per_node, visibl
   assert e.value.exit_code == errors.EXIT_USAGE and '\n' not in str(e.value)
 
 
+def test_torchrun_under_a_users_cuda_visible_devices_trains_on_those():
+  """Outside SLURM the GPUs CUDA_VISIBLE_DEVICES hides are not the job's: no refusal."""
+  env = {'MASTER_ADDR': '10.0.0.1', 'MASTER_PORT': '29500', 'WORLD_SIZE': '4', 'RANK': '2',
+         'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', 'CUDA_VISIBLE_DEVICES': '4,5,6,7'}
+  assert launchers.local_device_ids(launchers.detect(env), env) == [0, 1, 2, 3]
+  two = {**env, 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2'}
+  assert launchers.local_device_ids(launchers.detect(two), two) == [2, 3]
+
+
 def test_slurm_task_lists_expand_as_slurm_writes_them():
   assert [launchers.slurm_tasks_on_node('8(x2),4', n) for n in range(3)] == [8, 8, 4]
 
