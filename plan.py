@@ -554,10 +554,7 @@ def usable_gb(name: str) -> float:
   gpu_flags.TRAINER_MEM_FRACTION on a GPU host; cuDNN, cuBLAS and NCCL use the rest)."""
   if name.startswith('TPU'):
     return BUDGETS_GB[name]
-  fraction = gpu_flags.memory_fraction()
-  if gpu_flags.MEM_FRACTION_ENV not in os.environ:  # what train.py sets on a GPU host
-    fraction = gpu_flags.TRAINER_MEM_FRACTION
-  return BUDGETS_GB[name] * fraction
+  return BUDGETS_GB[name] * gpu_flags.trainer_memory_fraction()
 
 
 # `--policies=candidates`: remat policies from full to none, ordered by what they keep.

@@ -115,6 +115,7 @@ def versions(args) -> dict:
   import importlib.metadata  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jaxlib  # pylint: disable=import-outside-toplevel
+  import kernels  # pylint: disable=import-outside-toplevel
   from monitor import metrics  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   device = jax.devices()[0]
@@ -126,7 +127,7 @@ def versions(args) -> dict:
   out = {'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'platform': device.platform,
          'device kind': device.device_kind, 'devices': jax.device_count(),
          'peak FLOP/s': known[0] if known else 'unknown: MFU not reported',
-         'wheels': dict(sorted(wheels.items())), 'cudnn': cudnn_version(),
+         'wheels': dict(sorted(wheels.items())), 'cudnn': kernels.cudnn_version(),
          'XLA_FLAGS': os.environ.get('XLA_FLAGS', ''),
          'memory fraction': os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'JAX default')}
   try:
@@ -144,31 +145,18 @@ def versions(args) -> dict:
   return out
 
 
-def cudnn_version() -> str | None:
-  """cuDNN's version as the CUDA plugin loaded it. JAX has no public call for it: the
-  private jax._src.lib.cuda_versions is tried, guarded (a newer JAX that moves it gets
-  None here, and the pip wheel's version is in 'wheels')."""
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
-    return str(cuda_versions.cudnn_get_version()) if cuda_versions else None
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 def _impls(platform: str):
   """name -> attention(q, k, v, window, seg): ours (Pallas GPU), cuDNN, the XLA path."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import kernels  # pylint: disable=import-outside-toplevel
   from kernels import flash_gpu  # pylint: disable=import-outside-toplevel
   from kernels import xla  # pylint: disable=import-outside-toplevel
   impls = {'ours': lambda q, k, v, window, seg, **kw: flash_gpu.flash_attention_gpu(
       q, k, v, window=window, segment_ids_BT=seg, interpret=platform != 'gpu', **kw)}
-  if platform == 'gpu':
+  if platform == 'gpu':  # the model's own cuDNN path, window mapping included
     def cudnn(q, k, v, window, seg):
       if seg is not None:
         raise NotImplementedError('cuDNN through JAX takes no segment ids here')
-      return jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, implementation='cudnn',
-          local_window_size=None if window is None else (window - 1, 0))
+      return kernels.cudnn_attention(q, k, v, window=window, segment_ids_BT=None)
     impls['cudnn'] = cudnn
   impls['xla'] = lambda q, k, v, window, seg: xla.attention(q, k, v, window=window,
                                                             segment_ids_BT=seg)

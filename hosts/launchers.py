@@ -114,24 +114,34 @@ def detect(env: dict[str, str], coordinator_address: str | None = None,
   return None
 
 
+def _listed_gpus(env: dict[str, str]) -> int | None:
+  """CUDA_VISIBLE_DEVICES' entries, where it is set."""
+  listed = env.get('CUDA_VISIBLE_DEVICES')
+  if listed is None:
+    return None
+  return len([x for x in listed.split(',') if x.strip() and x.strip() != '-1'])
+
+
+def _device_files() -> int:
+  """The NVIDIA GPUs this host shows (a container or cgroup shows only the job's)."""
+  return len([p for p in glob.glob('/dev/nvidia*') if re.fullmatch(r'/dev/nvidia\d+', p)])
+
+
 def visible_gpus(env: dict[str, str]) -> int:
   """GPUs this process may open: CUDA_VISIBLE_DEVICES' entries, else the node's."""
-  listed = env.get('CUDA_VISIBLE_DEVICES')
-  if listed is not None:
-    return len([x for x in listed.split(',') if x.strip() and x.strip() != '-1'])
-  return node_gpus(env)
+  listed = _listed_gpus(env)
+  return node_gpus(env) if listed is None else listed
 
 
 def node_gpus(env: dict[str, str]) -> int:
   """GPUs the node has for this job: SLURM_GPUS_ON_NODE where SLURM allocated them; else
   CUDA_VISIBLE_DEVICES where the user or launcher set it (GPUs it hides are not the
-  job's); else the NVIDIA device files (a container or cgroup shows only the job's)."""
+  job's); else the NVIDIA device files."""
   allocated = _int(env, 'SLURM_GPUS_ON_NODE')
   if allocated:
     return allocated
-  if env.get('CUDA_VISIBLE_DEVICES') is not None:
-    return visible_gpus(env)
-  return len([p for p in glob.glob('/dev/nvidia*') if re.fullmatch(r'/dev/nvidia\d+', p)])
+  listed = _listed_gpus(env)
+  return _device_files() if listed is None else listed
 
 
 def gpus_per_task(env: dict[str, str]) -> int | None:

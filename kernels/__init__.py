@@ -93,12 +93,18 @@ def _gpu_facts() -> tuple[tuple[int, int] | None, int | None]:
     cc = tuple(int(x) for x in str(cc_text).split('.')[:2]) if cc_text else None
   except (RuntimeError, ValueError):
     return None, None
-  try:  # private: JAX has no public cuDNN version; a JAX without it reads as unknown
+  return cc, cudnn_version()
+
+
+def cudnn_version() -> int | None:
+  """cuDNN's version as JAX's CUDA plugin loaded it (90500 for 9.5.0); None where it
+  cannot be read. Private: JAX has no public call for it, so a JAX that moves
+  jax._src.lib.cuda_versions reads as unknown."""
+  try:
     from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    version = int(cuda_versions.cudnn_get_version()) if cuda_versions else None
+    return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
   except Exception:  # pylint: disable=broad-except
-    version = None
-  return cc, version
+    return None
 
 
 def cudnn_max_head_dim(this_process: bool = True) -> tuple[int, str]:
@@ -259,7 +265,7 @@ def _select(cfg: ml_collections.ConfigDict, *, segments: bool, split: bool = Fal
     if reason:
       raise NotImplementedError(f"attention_impl='cudnn' does not support {reason}; use "
                                 "'auto' (picks 'pallas_gpu' for it) or 'pallas_gpu'.")
-    return Ops(impl, jnp.matmul, _named(_cudnn))
+    return Ops(impl, jnp.matmul, _named(cudnn_attention))
   if impl == 'flash_stand_in':
     return Ops(impl, jnp.matmul, _named(_flash_stand_in))
   raise ValueError(f'attention_impl={impl!r} is not one of {IMPLS}.')
@@ -290,7 +296,7 @@ def _per_shard(attention: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   return run
 
 
-def _cudnn(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
+def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
   """cuDNN's fused attention through JAX (GPU). Its softmax statistics stay inside
   JAX's custom_vjp: only the output can be named (see Ops)."""
   del segment_ids_BT  # None: cudnn_unsupported refuses segments
@@ -309,7 +315,7 @@ def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
 
 __all__ = [
     'BlockSizes', 'GPU_PLATFORMS', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel',
-    'cudnn_max_head_dim', 'cudnn_unsupported', 'default_block_sizes', 'flash_attention',
+    'cudnn_attention', 'cudnn_max_head_dim', 'cudnn_unsupported', 'cudnn_version', 'default_block_sizes', 'flash_attention',
     'flash_gpu', 'kv_block_visits', 'pallas_gpu_unsupported', 'resolve', 'select',
     'TPU_DEVICE_KINDS', 'xla',
 ]

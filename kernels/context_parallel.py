@@ -77,6 +77,13 @@ def zigzag_order(seq_len: int, cp: int) -> np.ndarray:
   return chunks[[c for r in range(cp) for c in (r, 2 * cp - 1 - r)]].reshape(-1)
 
 
+def zigzag_starts(seq_len: int, cp: int) -> tuple[tuple[int, int], ...]:
+  """Each device's two chunk starts in natural positions (zigzag_order's table): the
+  query-chunk table the flash kernels take (q_chunk_starts)."""
+  chunk_len = seq_len // (2 * cp)
+  return tuple((r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp))
+
+
 def to_layout(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
   """Reorders the sequence axis of `x` into the zig-zag layout (identity for cp == 1)."""
   return x if cp == 1 else jnp.take(x, zigzag_order(x.shape[axis], cp), axis=axis)
@@ -131,12 +138,10 @@ class PallasLocal:
 
   def zigzag(self, q_B2LHK, k_BTGK, v_BTGK, seg_BT, window, device, cp: int):
     """Device `device`'s two chunks (layout order) against the natural-order sequence."""
-    chunk_len = k_BTGK.shape[1] // (2 * cp)
-    starts = tuple((r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp))
     return flash_attention(q_B2LHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=seg_BT,
                            block_q=self.block_q, block_kv=self.block_kv,
-                           interpret=self.interpret, q_chunk_starts=starts,
-                           q_chunk_row=device)
+                           interpret=self.interpret,
+                           q_chunk_starts=zigzag_starts(k_BTGK.shape[1], cp), q_chunk_row=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +156,9 @@ class PallasGpuLocal:
                                interpret=self.interpret, q_offset=s - l)
 
   def zigzag(self, q_B2LHK, k_BTGK, v_BTGK, seg_BT, window, device, cp: int):
-    chunk_len = k_BTGK.shape[1] // (2 * cp)
-    starts = tuple((r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp))
     return flash_attention_gpu(q_B2LHK, k_BTGK, v_BTGK, window=window, segment_ids_BT=seg_BT,
-                               interpret=self.interpret, q_chunk_starts=starts,
+                               interpret=self.interpret,
+                               q_chunk_starts=zigzag_starts(k_BTGK.shape[1], cp),
                                q_chunk_row=device)
 
 
@@ -168,7 +172,7 @@ def pallas_block_visits(seq_len: int, cp: int, block_q: int, block_kv: int,
   """Flash-kernel grid steps per (batch, head) of one layer's forward on each context device."""
   check_seq_len(seq_len, cp)
   chunk_len = seq_len // (2 * cp)
-  starts = [(r * chunk_len, (2 * cp - 1 - r) * chunk_len) for r in range(cp)]
+  starts = list(zigzag_starts(seq_len, cp))
   if cp == 1:  # the unsplit layer: self-attention over the whole sequence
     chunk_len, starts = seq_len, [0]
   # The block sizes flash_attention runs with (shrunk to short chunks, keys padded).

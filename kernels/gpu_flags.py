@@ -108,6 +108,13 @@ def memory_fraction(environ: dict | None = None) -> float:
     return JAX_DEFAULT_MEM_FRACTION
 
 
+def trainer_memory_fraction(environ: dict | None = None) -> float:
+  """The share train.py's process gets on a GPU host: the variable where set, else
+  TRAINER_MEM_FRACTION (which `apply` sets)."""
+  env = os.environ if environ is None else environ
+  return memory_fraction(env) if MEM_FRACTION_ENV in env else TRAINER_MEM_FRACTION
+
+
 def default_flags() -> tuple[Flag, ...]:
   return tuple(f for f in XLA_GPU_FLAGS if f.name in DEFAULT_ON)
 

@@ -410,7 +410,7 @@ class Preemption:
   train.py's command line installs one first thing (`install`), for two reasons:
   - A container's trainer is PID 1, and the kernel drops any signal PID 1 has no
     handler for: a slice deleted during start-up would wait out its whole grace
-    period. Until the loop begins (`begin`), a signal stops the process at once,
+    period. Until the loop begins (`for_loop`), a signal stops the process at once,
     exit 3: nothing new could be saved, and the run resumes from its last checkpoint.
   - The scheduler's grace ($OLMO_STOP_GRACE_SECONDS) may not hold a checkpoint (a
     GKE Spot node gives about 15 s). When the time left after SIGTERM is shorter than
@@ -427,7 +427,7 @@ class Preemption:
     self.requested = False
     self.grace = grace_seconds
     self._owns_process = owns_process  # may end the process itself (os._exit)
-    self._ckpt, self._start = None, None  # set by begin(): the loop has begun
+    self._ckpt, self._start = None, None  # set by for_loop(): the loop has begun
     self._exiting = threading.Lock()
     self._previous = {sig: signal.signal(sig, self._handle)
                       for sig in (signal.SIGTERM, signal.SIGINT)}
