@@ -172,12 +172,14 @@ def relative_errors(attn, q, k, v, do, window, seg) -> dict[str, float]:
   ref = lambda q, k, v, window, seg: model.reference_attention(q, k, v, window=window,
                                                                segment_ids_BT=seg)
   results = []
-  for fn, dtype in ((attn, q.dtype), (ref, jnp.float32)):
+  for fn, dtype, precision in ((attn, q.dtype, None), (ref, jnp.float32, 'highest')):
     def loss(q, k, v, fn=fn):
       return jnp.sum(fn(q, k, v, window, seg).astype(jnp.float32) * do.astype(jnp.float32))
     args = [x.astype(dtype) for x in (q, k, v)]
-    out = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, window, seg))(*args)
-    results.append((out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)))
+    # The reference at full float32: a GPU's XLA would otherwise multiply in TF32.
+    with jax.default_matmul_precision(precision):
+      out = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, window, seg))(*args)
+      results.append((out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)))
   errors = {}
   for name, got, want in zip(('out', 'dq', 'dk', 'dv'), *results):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
