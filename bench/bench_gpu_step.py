@@ -88,20 +88,9 @@ def run_ours(args, tokens_BT1: np.ndarray) -> dict:
   import device_check  # pylint: disable=import-outside-toplevel
   import kernels  # pylint: disable=import-outside-toplevel
   from monitor import metrics  # pylint: disable=import-outside-toplevel
-  import optim  # pylint: disable=import-outside-toplevel
-  import sharding  # pylint: disable=import-outside-toplevel
-  import train  # pylint: disable=import-outside-toplevel
   cfg = slice_cfg(args)
-  mesh = sharding.make_mesh(cfg.train, jax.devices()[:1])
-  tx = optim.make_optimizer(cfg.opt)
-  state, shardings = train.create_state(cfg, tx, mesh, jax.random.key(0))
+  step, state, batch = device_check.step_setup(cfg, tokens_BT1=tokens_BT1)
   inputs, labels = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-  rows = sharding.batch_sharding(mesh)
-  batch = {'tokens': jax.device_put(inputs, rows), 'labels': jax.device_put(labels, rows),
-           'instance_mask': jax.device_put(np.ones(len(inputs), bool), jax.sharding.NamedSharding(
-               mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES)))}
-  step = jax.jit(train.make_train_step(cfg, tx, mesh, 1), donate_argnums=0,
-                 out_shardings=(shardings, None))
   start = time.perf_counter()
   state, out = step(state, batch)
   loss = float(out['train/CE loss'])

@@ -116,8 +116,9 @@ def slice_config(args):
   return config_checks.validate(cfg) or cfg
 
 
-def step_setup(cfg, rope_matmul_lever: bool = False):
-  """(jitted train step, state, batch): the real train.py step on one device's mesh."""
+def step_setup(cfg, rope_matmul_lever: bool = False, tokens_BT1: np.ndarray | None = None):
+  """(jitted train step, state, batch): the real train.py step on one device's mesh, on
+  `tokens_BT1` ([B, T + 1]: inputs and their next tokens; default random ids)."""
   import model  # pylint: disable=import-outside-toplevel
   import optim  # pylint: disable=import-outside-toplevel
   import sharding  # pylint: disable=import-outside-toplevel
@@ -126,7 +127,8 @@ def step_setup(cfg, rope_matmul_lever: bool = False):
   tx = optim.make_optimizer(cfg.opt)
   state, shardings = train.create_state(cfg, tx, mesh, jax.random.key(0))
   B, T = cfg.data.global_batch_size, cfg.data.seq_len
-  tokens = np.random.default_rng(0).integers(2, cfg.data.vocab_size, (B, T + 1), np.int32)
+  tokens = (np.random.default_rng(0).integers(2, cfg.data.vocab_size, (B, T + 1), np.int32)
+            if tokens_BT1 is None else tokens_BT1)
   rows = sharding.batch_sharding(mesh)
   batch = {'tokens': jax.device_put(tokens[:, :-1], rows),
            'labels': jax.device_put(tokens[:, 1:], rows),
