@@ -407,7 +407,6 @@ def whole_7b(args) -> dict:
   """plan.py's peak for the whole 7B (one sequence, one device) against the allocator's
   share of this device; the 32-layer step if it fits."""
   import jax  # pylint: disable=import-outside-toplevel
-  import device_check  # pylint: disable=import-outside-toplevel
   layers = 32 if not args.tiny else 4
   flags = [f'--layers={layers}', '--steps=2'] + (['--tiny'] if args.tiny else [])
   stats = jax.devices()[0].memory_stats() or {}

@@ -20,6 +20,7 @@ returns the functions that run them for `cfg.attention_impl`:
                     context parallelism, float32, head_dim cuDNN refuses); 'xla' on
                     CPU, or where no flash kernel takes the head_dim.
 
+kernels/attention_args.py holds the argument checks both flash kernels share.
 kernels/context_parallel.py splits attention over the mesh's 'context' axis
 with the impl's kernel as the local attention (TPU or GPU flash, or XLA).
 kernels/chunked_ce.py is the third speed path: the output head's logits and

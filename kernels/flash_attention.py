@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels import attention_args
 from kernels import flash_kernels
 
 
@@ -331,68 +332,19 @@ def _round_up(x: int, m: int) -> int:
 
 def _check_inputs(q_BTHK, k_BSGK, v_BSGK, window, segment_ids_BS, block_q,
                   block_kv) -> None:
-  if q_BTHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGK.ndim != 4:
-    raise ValueError(
-        'flash_attention expects q [B, T, H, K] and k, v [B, S, G, K]; got'
-        f' q {q_BTHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}.')
-  b, t, h, k = q_BTHK.shape
-  if k_BSGK.shape != v_BSGK.shape or k_BSGK.shape[0] != b or k_BSGK.shape[3] != k:
-    raise ValueError(
-        'flash_attention: k and v must both be [B, S, G, K] with q\'s B and K;'
-        f' got q {q_BTHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}.')
-  s, g = k_BSGK.shape[1:3]
-  if h % g:
-    raise ValueError(f'flash_attention: query heads H={h} must be a multiple of'
-                     f' kv heads G={g} (GQA).')
+  attention_args.check_inputs('flash_attention', q_BTHK, k_BSGK, v_BSGK, window,
+                              segment_ids_BS)
+  k = q_BTHK.shape[3]
   if k % flash_kernels.LANES:
     raise ValueError(
         f'flash_attention: head_dim={k} must be a multiple of'
         f' {flash_kernels.LANES} (TPU lane width); use attention_impl=xla.')
-  if not q_BTHK.dtype == k_BSGK.dtype == v_BSGK.dtype:
-    raise ValueError('flash_attention: q, k, v must share a dtype; got'
-                     f' {q_BTHK.dtype}, {k_BSGK.dtype}, {v_BSGK.dtype}.')
-  if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
-    raise ValueError(f'flash_attention: window must be a positive int or None,'
-                     f' got {window!r}.')
-  if segment_ids_BS is not None and (
-      segment_ids_BS.shape != (b, s) or
-      not jnp.issubdtype(segment_ids_BS.dtype, jnp.integer)):
-    raise ValueError(
-        f'flash_attention: segment_ids_BT must be an integer [B, S] = [{b}, {s}]'
-        f' array (one id per key position); got {segment_ids_BS.shape}'
-        f' {segment_ids_BS.dtype}.')
   for name, blk in (('block_q', block_q), ('block_kv', block_kv)):
     if blk is not None and (blk < flash_kernels.LANES or blk % flash_kernels.LANES):
       raise ValueError(
           f'flash_attention: {name}={blk} must be a positive multiple of'
           f' {flash_kernels.LANES} (Mosaic tiling); fix'
           f' cfg.model.attention_{name}.')
-
-
-def _query_starts(t: int, s: int, q_offset, q_chunk_starts) -> tuple[tuple[int, ...], ...]:
-  """Validated [V][C] key positions of the query chunks' first rows (see flash_attention)."""
-  if q_chunk_starts is None:
-    if not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
-      raise ValueError(f'flash_attention: q_offset must be an int >= 0, got {q_offset!r}.')
-    starts_VC = np.asarray([[q_offset]], np.int64)
-  else:
-    if q_offset:
-      raise ValueError('flash_attention: give q_offset or q_chunk_starts, not both.')
-    starts_VC = np.asarray(q_chunk_starts)
-    if (starts_VC.ndim != 2 or not starts_VC.size or
-        not np.issubdtype(starts_VC.dtype, np.integer)):
-      raise ValueError('flash_attention: q_chunk_starts must be a non-empty [rows][chunks]'
-                       f' table of ints; got {q_chunk_starts!r}.')
-  chunks = starts_VC.shape[1]
-  if t % chunks:
-    raise ValueError(f'flash_attention: {t} query rows do not split into {chunks} equal'
-                     ' chunks (q_chunk_starts).')
-  if starts_VC.min() < 0 or starts_VC.max() + t // chunks > s:
-    raise ValueError(
-        f'flash_attention: query chunks of {t // chunks} rows starting at key positions'
-        f' {starts_VC.tolist()} must lie inside the {s} keys; fix q_offset /'
-        ' q_chunk_starts or pass the keys they attend to.')
-  return tuple(tuple(int(x) for x in row) for row in starts_VC)
 
 
 def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
@@ -444,7 +396,8 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
   _check_inputs(q_BTHK, k_BSGK, v_BSGK, window, segment_ids_BT, block_q, block_kv)
   b, t, h, k = q_BTHK.shape
   s, g = k_BSGK.shape[1:3]
-  starts_VC = _query_starts(t, s, q_offset, q_chunk_starts)
+  starts_VC = tuple(tuple(int(x) for x in row) for row in attention_args.query_starts(
+      'flash_attention', t, s, q_offset, q_chunk_starts))
   chunks, chunk_len = len(starts_VC[0]), t // len(starts_VC[0])
   chip = _current_chip()
   if block_q is None or block_kv is None:

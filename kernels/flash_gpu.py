@@ -42,6 +42,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels import attention_args
+
 # Finite stand-in for -inf (as the TPU kernel): a row with no visible key yet
 # gets exp2(0) terms that the first real key's rescale exp2(MASK - m) wipes
 # to exactly 0, instead of the NaN of (-inf) - (-inf).
@@ -405,53 +407,11 @@ def _shrink(blocks: GpuBlockSizes, rows: int, keys: int) -> GpuBlockSizes:
 
 
 def _check(q, k, v, window, segment_ids_BS) -> None:
-  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-    raise ValueError('flash_attention_gpu expects q [B, T, H, K] and k, v [B, S, G, K]; got '
-                     f'q {q.shape}, k {k.shape}, v {v.shape}.')
-  b, _, h, kd = q.shape
-  s, g = k.shape[1:3]
-  if k.shape[0] != b or k.shape[3] != kd:
-    raise ValueError(f'flash_attention_gpu: k, v need q\'s batch and head_dim; got q {q.shape}, '
-                     f'k {k.shape}.')
-  if h % g:
-    raise ValueError(f'flash_attention_gpu: query heads H={h} must be a multiple of kv heads '
-                     f'G={g} (GQA).')
+  attention_args.check_inputs('flash_attention_gpu', q, k, v, window, segment_ids_BS)
+  kd = q.shape[3]
   if kd not in HEAD_DIMS:
     raise ValueError(f'flash_attention_gpu: head_dim={kd} is not one of {HEAD_DIMS}; use '
                      'attention_impl=xla.')
-  if not q.dtype == k.dtype == v.dtype:
-    raise ValueError(f'flash_attention_gpu: q, k, v must share a dtype; got {q.dtype}, '
-                     f'{k.dtype}, {v.dtype}.')
-  if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
-    raise ValueError(f'flash_attention_gpu: window must be a positive int or None, got '
-                     f'{window!r}.')
-  if segment_ids_BS is not None and (segment_ids_BS.shape != (b, s) or
-                                     not jnp.issubdtype(segment_ids_BS.dtype, jnp.integer)):
-    raise ValueError(f'flash_attention_gpu: segment_ids_BT must be an integer [B, S] = [{b}, '
-                     f'{s}] array (one id per key position); got {segment_ids_BS.shape} '
-                     f'{segment_ids_BS.dtype}.')
-
-
-def _start_table(t: int, s: int, q_offset, q_chunk_starts) -> np.ndarray:
-  """The validated static [rows, M] table of query chunk starts."""
-  if q_chunk_starts is None:
-    if not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
-      raise ValueError(f'flash_attention_gpu: q_offset must be an int >= 0, got {q_offset!r}.')
-    table = np.asarray([[q_offset]], np.int64)
-  else:
-    if q_offset:
-      raise ValueError('flash_attention_gpu: give q_offset or q_chunk_starts, not both.')
-    table = np.asarray(q_chunk_starts)
-    if table.ndim != 2 or not table.size or not np.issubdtype(table.dtype, np.integer):
-      raise ValueError('flash_attention_gpu: q_chunk_starts must be a non-empty [rows][chunks] '
-                       f'table of ints; got {q_chunk_starts!r}.')
-  if t % table.shape[1]:
-    raise ValueError(f'flash_attention_gpu: {t} query rows do not split into '
-                     f'{table.shape[1]} equal chunks (q_chunk_starts).')
-  if table.min() < 0 or table.max() + t // table.shape[1] > s:
-    raise ValueError(f'flash_attention_gpu: query chunks of {t // table.shape[1]} rows at key '
-                     f'positions {table.tolist()} must lie inside the {s} keys.')
-  return table.astype(np.int32)
 
 
 def flash_attention_gpu(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
@@ -476,7 +436,8 @@ def flash_attention_gpu(q_BTHK, k_BSGK, v_BSGK, *, window: int | None = None,
   _check(q_BTHK, k_BSGK, v_BSGK, window, segment_ids_BT)
   b, t, h, kd = q_BTHK.shape
   s = k_BSGK.shape[1]
-  table = _start_table(t, s, q_offset, q_chunk_starts)
+  table = attention_args.query_starts('flash_attention_gpu', t, s, q_offset,
+                                      q_chunk_starts).astype(np.int32)
   chunks, chunk_len = table.shape[1], t // table.shape[1]
   blocks = _shrink(block_sizes or default_block_sizes(kd, bool(interpret)), chunk_len, s)
   # Pad each chunk to whole q blocks and the keys to whole kv blocks (the largest of the
