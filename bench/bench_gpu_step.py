@@ -219,6 +219,7 @@ def run_olmo_core(args, tokens_BT1: np.ndarray) -> dict:
 
 def summarize(cfg, sides: dict, pod_devices: int) -> dict:
   """Per side tokens/s, both MFUs, pod-equivalent; ours / OLMo-core's ratios."""
+  import device_check  # pylint: disable=import-outside-toplevel
   flops = flop_counts(cfg)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   peak = sides.get('ours', {}).get('peak FLOP/s')
@@ -227,14 +228,15 @@ def summarize(cfg, sides: dict, pod_devices: int) -> dict:
     if 'step (s)' not in s:
       rows[name] = s
       continue
-    pod_step = s['step (s)'] - s['optimizer update (s)'] * (1 - 1 / pod_devices)
+    pod_step = device_check.pod_step_seconds(s['step (s)'], s['optimizer update (s)'],
+                                             pod_devices)
     row = dict(s)
     row['tokens/s'] = tokens / s['step (s)']
-    row['pod-equivalent tokens/s'] = tokens / pod_step
+    row['pod-equivalent tokens/s'] = tokens / pod_step if pod_step else None
     for label, per_token in (('MFU', flops['stated']), ('MFU (full S^2)', flops['full S^2'])):
       row[label] = row['tokens/s'] * per_token / peak if peak else None
     row['pod-equivalent MFU'] = (row['pod-equivalent tokens/s'] * flops['stated'] / peak
-                                 if peak else None)
+                                 if peak and pod_step else None)
     rows[name] = row
   out = {'layers': cfg.model.num_layers, 'seq_len': cfg.data.seq_len, 'tokens/step': tokens,
          'vocab': cfg.model.vocab_size, 'FLOPs/token': flops, 'peak FLOP/s': peak,
@@ -242,8 +244,8 @@ def summarize(cfg, sides: dict, pod_devices: int) -> dict:
   ours, theirs = rows.get('ours', {}), rows.get('olmo_core', {})
   if 'tokens/s' in ours and 'tokens/s' in theirs:
     out['ours / OLMo-core tokens/s'] = ours['tokens/s'] / theirs['tokens/s']
-    out['ours / OLMo-core pod-equivalent'] = (ours['pod-equivalent tokens/s']
-                                              / theirs['pod-equivalent tokens/s'])
+    pods = ours['pod-equivalent tokens/s'], theirs['pod-equivalent tokens/s']
+    out['ours / OLMo-core pod-equivalent'] = pods[0] / pods[1] if all(pods) else None
     out['same tokens'] = ours['tokens sha256'] == theirs['tokens sha256']
   return out
 
@@ -297,13 +299,15 @@ def report(r: dict) -> None:
       continue
     mfu = lambda k: 'n/a (peak unknown)' if s[k] is None else f'{s[k]:.3f}'
     mem = 'n/a' if s['peak memory (GB)'] is None else f"{s['peak memory (GB)']:.1f} GB"
+    pod = ('n/a (update alone >= step: timing noise)' if s['pod-equivalent tokens/s'] is None
+           else f"{s['pod-equivalent tokens/s']:,.0f} tok/s MFU {mfu('pod-equivalent MFU')}")
     print(f"{name:10s} {s['tokens/s']:9,.0f} tok/s  MFU {mfu('MFU')} (full S^2 "
-          f"{mfu('MFU (full S^2)')})  pod-equivalent {s['pod-equivalent tokens/s']:,.0f} tok/s"
-          f" MFU {mfu('pod-equivalent MFU')}  peak {mem}  loss {s['loss']:.3f}  "
+          f"{mfu('MFU (full S^2)')})  pod-equivalent {pod}  peak {mem}  loss {s['loss']:.3f}  "
           f"[{s['attention']}]", flush=True)
   if 'ours / OLMo-core tokens/s' in r:
+    pod = r['ours / OLMo-core pod-equivalent']
     print(f"ours / OLMo-core: {r['ours / OLMo-core tokens/s']:.2f}x tokens/s, "
-          f"{r['ours / OLMo-core pod-equivalent']:.2f}x pod-equivalent; same tokens: "
+          f"{'n/a' if pod is None else f'{pod:.2f}x'} pod-equivalent; same tokens: "
           f"{r['same tokens']}", flush=True)
 
 

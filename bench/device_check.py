@@ -207,6 +207,16 @@ def update_seconds(cfg, steps: int) -> float:
   return float(np.median(times[2:]))
 
 
+def pod_step_seconds(step: float, update: float, pod_devices: int) -> float | None:
+  """The step as one device of an FSDP pod pays it: less (1 - 1/pod_devices) of the
+  update, which the pod shards over every device. None where the update measured alone
+  took as long as the whole step, which holds it: that is timing noise (a tiny slice,
+  too few --steps), and any figure taken from it would be made up."""
+  if not 0 < update < step:
+    return None
+  return step - update * (1 - 1 / pod_devices)
+
+
 def _policies(args) -> list[str]:
   if not args.policies:  # no planner import on every other run (and every child)
     return []
@@ -236,11 +246,14 @@ def check_policies(args, pod_devices: int = 256) -> dict:
       rows[policy] = {'out of memory': str(e).splitlines()[0][:300]}
       print(f'{policy:28s} out of memory', flush=True)
       continue
-    pod_step = s['step (s)'] - update * (1 - 1 / pod_devices)
-    s['pod-equivalent MFU'] = s['MFU'] * s['step (s)'] / pod_step if s['MFU'] else None
+    pod_step = pod_step_seconds(s['step (s)'], update, pod_devices)
+    s['pod-equivalent MFU'] = (s['MFU'] * s['step (s)'] / pod_step
+                               if s['MFU'] and pod_step else None)
     rows[policy] = s
+    pod = ('n/a (update alone >= step: timing noise, raise --steps)' if pod_step is None
+           else None if s['MFU'] is None else round(s['pod-equivalent MFU'], 3))
     print(f"{policy:28s} {s['step (s)'] * 1e3:7.1f} ms  MFU {_mfu(s)}  pod-equivalent "
-          f"{None if s['MFU'] is None else round(s['pod-equivalent MFU'], 3)}  XLA "
+          f"{pod}  XLA "
           f"{s['XLA flops'] / 1e12:.2f} TFLOP  device {s['compiled peak (GB)']:.2f} GB  host "
           f"{s['host temp (GB)']:.2f} GB", flush=True)
   return {'optimizer update (s)': update, 'pod devices': pod_devices, 'policies': rows}

@@ -57,7 +57,7 @@ def test_the_policy_sweep_times_each_policy_with_full_and_none(tmp_path):
   out = tmp_path / 'sweep.json'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run([sys.executable, str(REPO / 'bench' / 'device_check.py'), '--tiny',
-                         '--steps=1', '--policies=mlp_out,attn;outs@host', f'--out={out}'],
+                         '--steps=3', '--policies=mlp_out,attn;outs@host', f'--out={out}'],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   r = json.loads(out.read_text())['policies']
