@@ -148,6 +148,9 @@ def cudnn_unsupported(cfg: ml_collections.ConfigDict, segments: bool,
 
 def pallas_gpu_unsupported(cfg: ml_collections.ConfigDict) -> str:
   """Why the Pallas GPU kernel cannot run this model's attention ('' if it can)."""
+  if flash_gpu.TRITON is None:
+    return (f'JAX {jax.__version__} has no Pallas Triton backend, which the GPU kernel '
+            'lowers through (deprecated in JAX 0.11.0; docs/kernels.md)')
   if cfg.head_dim not in flash_gpu.HEAD_DIMS:
     return f'head_dim {cfg.head_dim} (the GPU kernel takes {flash_gpu.HEAD_DIMS})'
   return ''
@@ -157,6 +160,22 @@ def pallas_unsupported(cfg: ml_collections.ConfigDict) -> str:
   """Why the Pallas kernel cannot run this model's attention ('' if it can)."""
   if cfg.head_dim % flash_kernels.LANES:
     return f'head_dim {cfg.head_dim} (the kernel takes multiples of {flash_kernels.LANES})'
+  return ''
+
+
+def explicit_unsupported(cfg: ml_collections.ConfigDict, *, segments: bool) -> str:
+  """Why an explicitly set GPU attention_impl cannot run this model's step on this
+  process's backend ('' if it can; 'auto' always can: resolve picks what does).
+  model.validate checks what holds anywhere ('pallas' at a head_dim it cannot take); off
+  their hardware the flash kernels run in Pallas' interpreter (the CPU tests), so only
+  cuDNN needs a GPU."""
+  impl, platform = cfg.attention_impl, jax.default_backend()
+  if impl == 'cudnn':
+    if platform not in GPU_PLATFORMS:
+      return f'the {platform} backend (cuDNN runs on NVIDIA GPUs)'
+    return cudnn_unsupported(cfg, segments)
+  if impl == 'pallas_gpu' and platform in GPU_PLATFORMS:
+    return pallas_gpu_unsupported(cfg)
   return ''
 
 
@@ -186,8 +205,8 @@ def resolve(cfg: ml_collections.ConfigDict, platform: str | None = None, *,
     if not pallas_gpu_unsupported(cfg):
       return 'pallas_gpu', ('auto on GPU: the Pallas GPU flash kernel (cuDNN does not support '
                             f'{reason})')
-    return 'xla', (f'auto on GPU: cuDNN does not support {reason}, nor the Pallas GPU kernel '
-                   f'{pallas_gpu_unsupported(cfg)}')
+    return 'xla', (f'auto on GPU: cuDNN does not support {reason}, and the Pallas GPU kernel '
+                   f'cannot run it: {pallas_gpu_unsupported(cfg)}')
   return 'xla', f'auto on {platform}: blocked XLA attention'
 
 
@@ -316,7 +335,8 @@ def _flash_stand_in(q_BTHK, k_BSGK, v_BSGK, *, window, segment_ids_BT):
 
 __all__ = [
     'BlockSizes', 'GPU_PLATFORMS', 'IMPLS', 'Ops', 'block_schedule', 'context_parallel',
-    'cudnn_attention', 'cudnn_max_head_dim', 'cudnn_unsupported', 'cudnn_version', 'default_block_sizes', 'flash_attention',
-    'flash_gpu', 'kv_block_visits', 'pallas_gpu_unsupported', 'resolve', 'select',
+    'cudnn_attention', 'cudnn_max_head_dim', 'cudnn_unsupported', 'cudnn_version',
+    'default_block_sizes', 'explicit_unsupported', 'flash_attention', 'flash_gpu',
+    'kv_block_visits', 'pallas_gpu_unsupported', 'resolve', 'select',
     'TPU_DEVICE_KINDS', 'xla',
 ]

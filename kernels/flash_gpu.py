@@ -27,6 +27,14 @@ passes each device's two chunk starts, a traced row of a static table).
 Shapes: B batch, T query rows, S keys, H query heads, G kv heads, R = H // G,
 K head_dim, Q rows per q block, C rows per kv block (in kernels, a block's
 rows), M chunks of queries, L rows per chunk, N = L padded to whole q blocks.
+
+JAX versions: the kernels lower through Pallas' Triton backend, the one the
+project's JAX (0.10.2) has for GPUs. JAX 0.11.0 deprecated that backend (its
+Pallas changelog: use Mosaic GPU, or Triton itself through jax_triton) and
+warns at each lowering; a JAX that has removed it imports this module all the
+same (TRITON is then None), and kernels.resolve no longer picks this kernel,
+naming why. The port that keeps a flash path past that JAX is a Mosaic GPU
+kernel (Hopper's TMA and wgmma) or a library's: docs/kernels.md.
 """
 
 import dataclasses
@@ -40,7 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:  # deprecated in JAX 0.11.0 (module docstring); None once a JAX removes it
+  from jax.experimental.pallas import triton as TRITON
+except ImportError:
+  TRITON = None
 
 from kernels import attention_args
 
@@ -300,7 +312,9 @@ def _dkv_kernel(starts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
 
 
 def _params(t: Tiling):
-  return plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+  if TRITON is None:  # interpreted (the CPU tests) it needs none; lowered, resolve says why
+    return None
+  return TRITON.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def _q_major(kernel, tile: Tiling, name: str, st: _Static, starts_M, q, k, v, rows_in, stats_in,

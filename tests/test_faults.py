@@ -82,6 +82,8 @@ def refused(proc, code: int, *named: str) -> str:
      ['train.init_from', '/nonexistent/ckpt']),
     (['--config.model.attention_impl=pallas'], 'configs/small.py', errors.EXIT_USAGE,
      ["attention_impl='pallas' does not support head_dim 64", "use 'auto' or 'xla'"]),
+    (['--config.model.attention_impl=cudnn'], 'configs/small.py', errors.EXIT_USAGE,
+     ["attention_impl='cudnn' cannot run", 'the cpu backend', 'attention_impl=auto']),
 ])
 def test_a_mistake_is_one_line_with_its_exit_code_and_writes_nothing(tmp_path, flags, config,
                                                                      code, named):

@@ -184,3 +184,39 @@ def test_importing_the_model_sets_no_libtpu_placeholders():
   proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env, capture_output=True,
                         text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-1500:]
+
+
+# --- A JAX without Pallas' Triton backend (deprecated in 0.11.0) --------------------------
+
+
+@pytest.mark.fresh_interpreter  # a zygote's fork would have imported the kernels already
+def test_a_jax_without_the_triton_backend_imports_and_resolves_past_the_kernel():
+  """With `jax.experimental.pallas.triton` gone (an ImportError, as once JAX removes it),
+  the model still imports and 'auto' on a GPU leaves the GPU kernel out, saying why."""
+  code = '''if True:
+    import sys
+    sys.modules['jax.experimental.pallas.triton'] = None  # `import` of it raises ImportError
+    import kernels, model
+    from configs import olmo3_7b
+    assert kernels.flash_gpu.TRITON is None
+    impl, why = kernels.resolve(olmo3_7b.model_config(), 'gpu', segments=True)
+    print(impl, why)'''
+  proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                        text=True, check=False)
+  assert proc.returncode == 0, proc.stderr[-1500:]
+  assert proc.stdout.startswith('xla auto on GPU: cuDNN does not support document masking')
+  assert 'no Pallas Triton backend' in proc.stdout
+
+
+def test_an_explicit_gpu_impl_that_cannot_run_here_is_named(monkeypatch):
+  segs = dict(segments=True)
+  assert 'cpu backend' in kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), **segs)
+  assert kernels.explicit_unsupported(_cfg(attention_impl='pallas_gpu'), **segs) == ''  # interpreted
+  assert kernels.explicit_unsupported(_cfg(attention_impl='auto'), **segs) == ''
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert 'document masking' in kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), **segs)
+  assert kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), segments=False) == ''
+  assert kernels.explicit_unsupported(_cfg(attention_impl='pallas_gpu'), **segs) == ''
+  monkeypatch.setattr(kernels.flash_gpu, 'TRITON', None)
+  assert 'no Pallas Triton backend' in kernels.explicit_unsupported(
+      _cfg(attention_impl='pallas_gpu'), **segs)
