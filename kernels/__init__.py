@@ -164,11 +164,11 @@ def pallas_unsupported(cfg: ml_collections.ConfigDict) -> str:
 
 
 def explicit_unsupported(cfg: ml_collections.ConfigDict, *, segments: bool) -> str:
-  """Why an explicitly set GPU attention_impl cannot run this model's step on this
-  process's backend ('' if it can; 'auto' always can: resolve picks what does).
-  model.validate checks what holds anywhere ('pallas' at a head_dim it cannot take); off
-  their hardware the flash kernels run in Pallas' interpreter (the CPU tests), so only
-  cuDNN needs a GPU."""
+  """Why an explicitly set attention_impl cannot run this model's step on this process's
+  backend ('' if it can; 'auto' always can: resolve picks what does). model.validate checks
+  what holds anywhere ('pallas' at a head_dim it cannot take). On a CPU the flash kernels
+  run in Pallas' interpreter (the tests); on the other accelerator they would too, slowly
+  and without a word, so they are refused there, and cuDNN needs an NVIDIA GPU."""
   impl, platform = cfg.attention_impl, jax.default_backend()
   if impl == 'cudnn':
     if platform not in GPU_PLATFORMS:
@@ -176,6 +176,10 @@ def explicit_unsupported(cfg: ml_collections.ConfigDict, *, segments: bool) -> s
     return cudnn_unsupported(cfg, segments)
   if impl == 'pallas_gpu' and platform in GPU_PLATFORMS:
     return pallas_gpu_unsupported(cfg)
+  if impl == 'pallas_gpu' and platform == 'tpu':
+    return "a TPU (the GPU kernel would run in Pallas' interpreter; the TPU's is 'pallas')"
+  if impl == 'pallas' and platform in GPU_PLATFORMS:
+    return "a GPU (the TPU kernel would run in Pallas' interpreter; the GPU's is 'pallas_gpu')"
   return ''
 
 

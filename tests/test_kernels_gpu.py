@@ -211,12 +211,17 @@ def test_a_jax_without_the_triton_backend_imports_and_resolves_past_the_kernel()
 def test_an_explicit_gpu_impl_that_cannot_run_here_is_named(monkeypatch):
   segs = dict(segments=True)
   assert 'cpu backend' in kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), **segs)
-  assert kernels.explicit_unsupported(_cfg(attention_impl='pallas_gpu'), **segs) == ''  # interpreted
+  for interpreted in ('pallas_gpu', 'pallas'):  # on a CPU, as the tests run them
+    assert kernels.explicit_unsupported(_cfg(attention_impl=interpreted), **segs) == ''
   assert kernels.explicit_unsupported(_cfg(attention_impl='auto'), **segs) == ''
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   assert 'document masking' in kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), **segs)
   assert kernels.explicit_unsupported(_cfg(attention_impl='cudnn'), segments=False) == ''
   assert kernels.explicit_unsupported(_cfg(attention_impl='pallas_gpu'), **segs) == ''
+  assert 'interpreter' in kernels.explicit_unsupported(_cfg(attention_impl='pallas'), **segs)
   monkeypatch.setattr(kernels.flash_gpu, 'TRITON', None)
   assert 'no Pallas Triton backend' in kernels.explicit_unsupported(
       _cfg(attention_impl='pallas_gpu'), **segs)
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'tpu')
+  assert 'a TPU' in kernels.explicit_unsupported(_cfg(attention_impl='pallas_gpu'), **segs)
+  assert kernels.explicit_unsupported(_cfg(attention_impl='pallas'), **segs) == ''
