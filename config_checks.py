@@ -139,6 +139,15 @@ LOCATION_FIELDS = {
 }
 
 
+def check_attention(cfg_model: ml_collections.ConfigDict, *, segments: bool) -> None:
+  """An explicit model.attention_impl this process's backend cannot run is refused before
+  anything compiles (kernels.explicit_unsupported); 'auto' picks what can."""
+  if reason := kernels.explicit_unsupported(cfg_model, segments=segments):
+    raise errors.ConfigError(
+        f'model.attention_impl={cfg_model.attention_impl!r} cannot run this model here: '
+        f'{reason}. Set --config.model.attention_impl=auto (picks what can).')
+
+
 def check_sources(cfg: ml_collections.ConfigDict) -> None:
   """What the run reads before step 1 is there now, not after hours of training: the
   tokenizer file it names (its sample, in-loop evaluation and export) and train.init_from."""

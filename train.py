@@ -240,10 +240,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, sample_tokens: int = 0
   ahead = (prefetch.Prefetch(storage.join(workdir, 'checkpoints'))
            if host_sync.one_process() else None)
   mesh = account.timed('tpu initialization', sharding.make_mesh, cfg.train)  # before packing
-  if reason := kernels.explicit_unsupported(cfg.model, segments=data.wants_segments(cfg.data)):
-    raise errors.ConfigError(
-        f'model.attention_impl={cfg.model.attention_impl!r} cannot run this model here: '
-        f'{reason}. Set --config.model.attention_impl=auto (picks what can).')
+  config_checks.check_attention(cfg.model, segments=data.wants_segments(cfg.data))
   goodput.compilation_cache(cfg.train.compilation_cache_dir, workdir)  # before any compile
   cache_dir = cfg.data.cache_dir or storage.local_cache_dir(workdir, 'data_cache')
   ds = account.timed('training prep', data.dataset_from_config, cfg.data, cache_dir,
