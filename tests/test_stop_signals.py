@@ -106,7 +106,10 @@ def test_the_grace_decides_between_a_save_and_an_exit_at_once(tmp_path):
       assert 'checkpoint written' in text and 'exiting now' not in text, text[-4000:]
       continue
     line = next(l for l in text.splitlines() if 'exiting now without a checkpoint' in l)
-    assert 'a checkpoint takes up to' in line and 'grace period (1 s)' in line, line
+    # The reason names the save's time where the save thread has recorded it by the signal,
+    # else the grace alone (1 s is below the stop margin either way): both exit at once.
+    assert 'grace period (1 s)' in line, line
+    assert 'a checkpoint takes up to' in line or 'ends before the checkpoint' in line, line
     step = int(line.split('resumes from committed step ')[1].split('.')[0])
     assert committed(workdir)[-1] == step, (committed(workdir), line)
     assert step_dirs.latest_step(str(workdir / 'checkpoints')) == step
